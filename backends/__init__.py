@@ -1,0 +1,1 @@
+"""portlayer.backends"""

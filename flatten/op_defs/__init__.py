@@ -1,0 +1,1 @@
+"""Op definitions; importing a module registers its ops."""
