@@ -1,0 +1,176 @@
+"""Save and load a Flat IR graph: structure as graph.json, weights as weights.safetensors.
+
+JSON keeps the graph diffable and language-neutral; safetensors keeps weights loadable
+without executing code (never pickle). safetensors refuses tensors that share storage
+(tied embeddings, views of one fused weight), so identical tensors are written once
+and the others recorded as aliases, and partial views are written as copies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portlayer.flatten.ir import Graph, Node, TensorType, Value, dtype_name
+
+FORMAT = "portlayer.flat_ir"
+FORMAT_VERSION = 1
+GRAPH_FILE = "graph.json"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+class GraphFileError(ValueError):
+    """A saved graph directory is missing a file, or a file is not what save_graph writes."""
+
+
+def graph_to_json(graph: Graph) -> dict[str, Any]:
+    """The graph structure as a JSON-able dict (weights are not included; see save_graph)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "inputs": [v.to_json() for v in graph.inputs],
+        "params": [{"name": k, **t.to_json()} for k, t in graph.params.items()],
+        "nodes": [n.to_json() for n in graph.nodes],
+        "outputs": list(graph.outputs),
+        "meta": graph.meta,
+    }
+
+
+def graph_from_json(d: dict[str, Any], *, source: str = "graph JSON") -> Graph:
+    """Inverse of graph_to_json; ``source`` names where ``d`` came from in errors."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise GraphFileError(f"{source}: expected a dict with format={FORMAT!r}, found {found!r}")
+    version = d.get("format_version")
+    if version != FORMAT_VERSION:
+        raise GraphFileError(
+            f"{source}: format_version {version!r} is not supported (this portlayer reads {FORMAT_VERSION}); "
+            "re-save the graph with this version of portlayer"
+        )
+    try:
+        return Graph(
+            inputs=[Value.from_json(v) for v in d["inputs"]],
+            params={p["name"]: TensorType(p["dtype"], tuple(p["shape"])) for p in d["params"]},
+            nodes=[Node.from_json(n) for n in d["nodes"]],
+            outputs=list(d["outputs"]),
+            meta=dict(d.get("meta", {})),
+        )
+    except KeyError as e:
+        raise GraphFileError(f"{source}: missing key {e.args[0]!r}; the file is incomplete or not a saved graph") from None
+    except (TypeError, ValueError) as e:
+        raise GraphFileError(f"{source}: malformed entry ({e})") from None
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device.type, t.untyped_storage().data_ptr())
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (*_storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors accepts, plus {alias: stored name} for tensors identical to a stored one.
+
+    Identical views (the same storage, offset, shape, strides, dtype) become aliases;
+    other tensors that overlap a storage already used are written as copies.
+    """
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    by_view: dict[tuple[Any, ...], str] = {}
+    storages: dict[tuple[Any, ...], int] = {}
+    for name, t in weights.items():
+        if t.numel() == 0:
+            stored[name] = t.detach().cpu().contiguous()
+            continue
+        vk = _view_key(t)
+        if vk in by_view:
+            aliases[name] = by_view[vk]
+            continue
+        by_view[vk] = name
+        sk = _storage_key(t)
+        storages[sk] = storages.get(sk, 0) + 1
+    for name, t in weights.items():
+        if name in aliases or name in stored:
+            continue
+        t = t.detach()
+        shares = storages[_storage_key(t)] > 1 or t.numel() != t.untyped_storage().nbytes() // t.element_size()
+        stored[name] = t.cpu().clone().contiguous() if (shares or not t.is_contiguous()) else t.cpu()
+    return stored, aliases
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_graph(graph: Graph, directory: str | os.PathLike) -> Path:
+    """Write graph.json and weights.safetensors into ``directory`` (created if missing)."""
+    from safetensors.torch import save_file
+
+    stray = sorted(set(graph.weights) - set(graph.params))
+    if stray:
+        raise ValueError(f"graph.weights has tensors that are not params: {stray}; add them to graph.params or drop them")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stored, aliases = dedupe_weights(graph.weights)
+    doc = graph_to_json(graph)
+    doc["weights"] = {"file": WEIGHTS_FILE, "names": list(graph.weights), "aliases": aliases}
+    text = json.dumps(doc, indent=1)
+    _atomic_write(out / GRAPH_FILE, lambda p: Path(p).write_text(text + "\n"))
+    _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(stored, p, metadata={"format": "pt", "portlayer": FORMAT}))
+    return out
+
+
+def load_graph(directory: str | os.PathLike) -> Graph:
+    """Read a directory written by save_graph; errors name the file and what was expected."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    gpath = root / GRAPH_FILE
+    if not gpath.is_file():
+        raise GraphFileError(f"{gpath}: not found; expected a {GRAPH_FILE} written by portlayer's save_graph")
+    try:
+        doc = json.loads(gpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GraphFileError(f"{gpath}: not valid JSON ({e}); the file is corrupt, re-save the graph") from None
+    graph = graph_from_json(doc, source=str(gpath))
+    winfo = doc.get("weights", {})
+    names = list(winfo.get("names", []))
+    aliases: dict[str, str] = dict(winfo.get("aliases", {}))
+    wpath = root / winfo.get("file", WEIGHTS_FILE)
+    if not wpath.is_file():
+        if names:
+            raise GraphFileError(f"{wpath}: not found; {gpath.name} lists {len(names)} weights stored there")
+        return graph
+    try:
+        tensors = load_file(str(wpath))
+    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        raise GraphFileError(f"{wpath}: not a readable safetensors file ({e}); the file is corrupt, re-save the graph") from None
+    for name in names:
+        src = aliases.get(name, name)
+        if src not in tensors:
+            raise GraphFileError(f"{wpath}: tensor {src!r} (for param {name!r}) is missing")
+        t = tensors[src]
+        want = graph.params.get(name)
+        if want is None:
+            raise GraphFileError(f"{gpath}: weight {name!r} has no entry in params")
+        if dtype_name(t.dtype) != want.dtype or tuple(t.shape) != tuple(want.shape):
+            raise GraphFileError(
+                f"{wpath}: tensor {src!r} is {dtype_name(t.dtype)}{list(t.shape)} but param {name!r} "
+                f"is declared {want}; the two files do not belong together"
+            )
+        graph.weights[name] = t
+    return graph
