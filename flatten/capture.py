@@ -1,0 +1,234 @@
+"""Capture a Hugging Face model into the Flat IR with torch.export.
+
+The model is wrapped so that its inputs are the flat token stream (token ids and
+positions, both ``[num_tokens]``), exported once with a dynamic token dimension, converted
+op by op (from_export) and then raised to portable ops (patterns).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portlayer.flatten import hf_attention
+from portlayer.flatten.ir import Graph
+
+TOKEN_SYMBOL = "num_tokens"
+
+
+class CaptureError(RuntimeError):
+    """A model could not be captured; the message says what and what to do."""
+
+
+@dataclass
+class SentenceTransformerInfo:
+    pooling: str | None  # mean | cls | last
+    normalize: bool
+
+
+def _read_sentence_transformer(path: Path) -> SentenceTransformerInfo | None:
+    modules = path / "modules.json"
+    if not modules.exists():
+        return None
+    try:
+        mods = json.loads(modules.read_text())
+    except json.JSONDecodeError as e:
+        raise CaptureError(f"{modules} is not valid JSON ({e}); fix or remove it") from e
+    pooling, normalize = None, False
+    for m in mods:
+        kind = m.get("type", "")
+        if kind.endswith("Pooling"):
+            cfg_path = path / m.get("path", "") / "config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+            if cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_lasttoken"):
+                pooling = "last"
+            elif cfg.get("pooling_mode_mean_tokens", True):
+                pooling = "mean"
+            for unsupported in ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens"):
+                if cfg.get(unsupported):
+                    raise CaptureError(f"{cfg_path}: {unsupported} is not supported; use mean, cls or last-token pooling")
+        elif kind.endswith("Normalize"):
+            normalize = True
+    return SentenceTransformerInfo(pooling, normalize)
+
+
+def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Load a local HF directory (config.json + weights) without touching the network."""
+    import transformers
+
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise CaptureError(
+            f"{p} is not a Hugging Face model directory: config.json is missing. "
+            "Pass a directory written by save_pretrained(), or a built-in example name."
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_attention.register()
+    config = transformers.AutoConfig.from_pretrained(str(p))
+    archs = config.architectures or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    kwargs: dict[str, Any] = {"attn_implementation": hf_attention.IMPL_NAME}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    try:
+        model = cls.from_pretrained(str(p), **kwargs)
+    except (OSError, ValueError) as e:
+        raise CaptureError(f"could not load the model in {p}: {e}") from e
+    return model.eval()
+
+
+def _set_attn_impl(model: torch.nn.Module) -> None:
+    hf_attention.register()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(hf_attention.IMPL_NAME)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = hf_attention.IMPL_NAME
+
+
+class _TokenStream(torch.nn.Module):
+    """forward(input_ids[T], positions[T]) -> logits[T, V] or hidden[T, H]: the flat stream."""
+
+    def __init__(self, model: torch.nn.Module, accepts: set[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.accepts = accepts
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"input_ids": input_ids[None]}
+        if "position_ids" in self.accepts:
+            kwargs["position_ids"] = positions[None]
+        if "token_type_ids" in self.accepts:
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)[None]
+        if "use_cache" in self.accepts:
+            kwargs["use_cache"] = False
+        out = self.model(**kwargs)
+        if hasattr(out, "logits") and out.logits is not None:
+            return out.logits[0]
+        return out.last_hidden_state[0]
+
+
+def model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """Model-level facts for graph.meta (read by the policy and the runtime)."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    def g(*names: str, default: Any = None) -> Any:
+        for n in names:
+            v = getattr(text, n, None)
+            if v is not None:
+                return v
+        return default
+
+    hidden = g("hidden_size", "n_embd", "d_model")
+    heads = g("num_attention_heads", "n_head")
+    kv = g("num_key_value_heads", default=heads)
+    head_dim = g("head_dim", default=(hidden // heads if hidden and heads else None))
+    archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
+    return {
+        "model_type": getattr(cfg, "model_type", type(model).__name__),
+        "architectures": archs,
+        "num_layers": g("num_hidden_layers", "n_layer"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": g("intermediate_size", "n_inner"),
+        "vocab_size": g("vocab_size"),
+        "max_positions": g("max_position_embeddings", "n_positions", default=4096),
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "eos_token_id": g("eos_token_id"),
+        "bos_token_id": g("bos_token_id"),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+
+
+def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export.ExportedProgram:
+    """torch.export (strict=False) of the flat-stream wrapper with a dynamic token dim."""
+    import inspect
+
+    accepts = set(inspect.signature(model.forward).parameters)
+    wrapper = _TokenStream(model, accepts).eval()
+    n = min(7, max_tokens)
+    ids = torch.randint(0, 8, (n,), dtype=torch.long)
+    pos = torch.arange(n, dtype=torch.long)
+    tokens = torch.export.Dim(TOKEN_SYMBOL, min=1, max=max_tokens)
+    try:
+        with torch.no_grad():
+            return torch.export.export(
+                wrapper, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}), strict=False
+            )
+    except Exception as e:  # torch.export raises many types; keep the cause attached
+        raise CaptureError(
+            f"torch.export failed for {type(model).__name__}: {type(e).__name__}: {str(e)[:2000]}\n"
+            "portlayer exports HF models through the 'portlayer' attention implementation; a model "
+            "whose modeling code bypasses transformers' AttentionInterface or branches on the sequence "
+            "length may need attn_implementation='eager' support or a fix upstream."
+        ) from e
+
+
+def capture(
+    model: str | os.PathLike[str] | torch.nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    raise_patterns: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Graph:
+    """Capture an HF model (an nn.Module or a local HF directory) as a Flat IR graph.
+
+    The graph's inputs are ``input_ids`` and ``positions`` ([num_tokens], int64); its
+    output is logits [num_tokens, vocab] for causal LMs, the last hidden state
+    [num_tokens, hidden] for encoders, or pooled (and normalised) embeddings
+    [num_seqs, hidden] for sentence-transformers directories.
+    """
+    from portlayer.flatten.from_export import convert_exported_program
+    from portlayer.flatten.patterns import raise_patterns as run_patterns
+
+    say = progress or (lambda _msg: None)
+    st_info: SentenceTransformerInfo | None = None
+    source = None
+    if isinstance(model, (str, os.PathLike)):
+        from portlayer.builtin_models import resolve_model
+
+        path = resolve_model(str(model))
+        source = str(path)
+        st_info = _read_sentence_transformer(path)
+        say(f"loading {path}")
+        module = load_hf_model(path, dtype=dtype)
+    elif isinstance(model, torch.nn.Module):
+        module = model.eval()
+        if dtype is not None:
+            module = module.to(dtype)
+        _set_attn_impl(module)
+    else:
+        raise TypeError(f"capture() takes an nn.Module or a path to an HF directory, not {type(model).__name__}")
+
+    facts = model_facts(module)
+    max_tokens = int(facts.get("max_positions") or 4096)
+    say("exporting with torch.export")
+    ep = export_token_stream(module, max_tokens=max(max_tokens, 8))
+    say("converting to the Flat IR")
+    graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
+    graph.meta.update(facts)
+    graph.meta["task"] = "causal_lm" if graph.meta.get("architectures") and any(
+        a.endswith(("ForCausalLM", "LMHeadModel")) for a in graph.meta["architectures"]
+    ) else "encoder"
+    graph.meta["token_symbol"] = TOKEN_SYMBOL
+    if source:
+        graph.meta["source"] = source
+    if raise_patterns:
+        say("raising patterns to portable ops")
+        graph = run_patterns(graph)
+    if st_info is not None and st_info.pooling is not None:
+        from portlayer.flatten.pooling import append_pooling
+
+        graph = append_pooling(graph, st_info.pooling, st_info.normalize)
+    return graph
