@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
 from portlayer.backends.base import BackendAdapter, BackendError, MemoryInfo
 from portlayer.backends.registry import register_backend
 

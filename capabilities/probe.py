@@ -180,8 +180,8 @@ def _probe_npu() -> list[DetectedDevice]:
             )
         ]
     try:
-        import torch_npu  # noqa: F401
         import torch
+        import torch_npu  # noqa: F401
 
         count = torch.npu.device_count()  # type: ignore[attr-defined]
     except Exception as e:  # ImportError, OSError (libhccl.so), RuntimeError
