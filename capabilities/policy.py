@@ -102,7 +102,7 @@ class _Negotiation:
         if int4 and peak and int4 >= 2 * peak and memory_bound:
             why = (
                 f"decode at batch 1 does {intensity:.1f} FLOP/byte, below the ridge {ridge:.0f} (memory-bound), and "
-                f"int4 runs at {int4:g} TOP/s >= 2x {DTYPE_SHORT.get(dt, dt)} {peak:g}: weight-only int4 reads 4x fewer bytes"
+                f"int4 runs at {int4:g} TOP/s >= 2x {DTYPE_SHORT.get(dt, dt)} {peak:g}: weight-only int4 reads {ITEMSIZE[dt] / 0.5:g}x fewer bytes"
             )
             self.add("weight_quantization", "int4", why)
             return

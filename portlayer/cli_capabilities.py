@@ -1,0 +1,126 @@
+"""`portlayer devices`, `portlayer calibrate` and `portlayer explain`.
+
+``add_parsers(subparsers)`` registers them on the main CLI; each sets ``func`` to a
+function taking the parsed args and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parsers(subparsers: Any) -> None:
+    p = subparsers.add_parser("devices", help="devices on this machine, their descriptors and why others are missing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_devices)
+
+    p = subparsers.add_parser("calibrate", help="measure this device and write a calibrated descriptor")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the best device here)")
+    p.add_argument("--base", default=None, help="shipped descriptor to start from (default: the one probe matched)")
+    p.add_argument("-o", "--output", default=None, help="write the descriptor JSON here (default: stdout)")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = subparsers.add_parser("explain", help="the Plan (dtype, KV blocks, launch configs, ...) with reasons")
+    p.add_argument("model", help="HF model dir or config.json, a saved Flat IR dir (graph.json), or a builtin name")
+    p.add_argument("--target", default=None, help="descriptor name or path.json (default: best device here)")
+    p.add_argument("--dtype", default=None, help="force the compute dtype (float32, bfloat16, float16)")
+    p.add_argument("--quantization", default=None, help="force weight quantization (none, int8, int4)")
+    p.add_argument("--capture", action="store_true", help="capture the model graph instead of reading config.json")
+    p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    p.set_defaults(func=cmd_explain)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from portlayer.capabilities.probe import default_target, probe_devices, summary_lines
+
+    devices = probe_devices()
+    target = default_target(devices)
+    if args.json:
+        print(json.dumps({"devices": [d.to_json() for d in devices], "default_target": target.name}, indent=2))
+        return 0
+    print("portlayer devices:")
+    print("\n".join(summary_lines(devices)))
+    accel = [d for d in devices if d.usable and d.device_type != "cpu"]
+    if not accel:
+        print("No accelerator found (reasons above); falling back to the CPU.")
+    print(f"default target: {target.name} ({target.origin})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from portlayer.capabilities.calibrate import calibrate
+
+    desc = calibrate(args.device, base=args.base)
+    text = json.dumps(desc, indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        tp = ", ".join(f"{k} {v:g}" for k, v in desc["throughput_tflops"].items())
+        print(
+            f"wrote {args.output}: copy {desc['memory']['bandwidth_gbps']:g} GB/s; matmul TFLOP/s: {tp}; "
+            f"launch {desc['launch_overhead_us']:g} us. Use it with --target {args.output}",
+            file=sys.stderr,
+        )
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def load_requirements(model: str, capture: bool = False):
+    """ModelRequirements from a saved graph dir, an HF dir/config.json, or a captured graph."""
+    from portlayer.capabilities.requirements import ModelRequirements
+
+    path = Path(model)
+    if (path / "graph.json").exists():
+        from portlayer.flatten.serialize import load_graph
+
+        return ModelRequirements.from_graph(load_graph(path), name=model)
+    if not path.exists():
+        try:
+            from portlayer.builtin_models import resolve_model
+
+            path = Path(resolve_model(model))
+        except Exception as e:
+            raise SystemExit(f"explain: {model!r} is not a directory, config.json or known model name ({e})") from None
+    config = path if path.suffix == ".json" else path / "config.json"
+    if capture or not config.exists():
+        from portlayer.flatten.capture import capture as capture_graph
+
+        return ModelRequirements.from_graph(capture_graph(str(path)), name=model)
+    return ModelRequirements.from_hf_config(json.loads(config.read_text()), name=model)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from portlayer.capabilities.descriptor import load_descriptor
+    from portlayer.capabilities.policy import PlanError, negotiate
+    from portlayer.capabilities.probe import default_target
+
+    req = load_requirements(args.model, capture=args.capture)
+    target = load_descriptor(args.target) if args.target else default_target()
+    overrides = {}
+    if args.dtype:
+        overrides["compute_dtype"] = args.dtype
+    if args.quantization:
+        overrides["weight_quantization"] = args.quantization
+    try:
+        plan = negotiate(req, target, overrides)
+    except PlanError as e:
+        print(f"explain: {e}", file=sys.stderr)
+        return 2
+    print(plan.dumps() if args.json else plan.format_table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m portlayer.cli_capabilities devices`) until cli.py wires these in."""
+    parser = argparse.ArgumentParser(prog="portlayer")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
