@@ -244,7 +244,7 @@ class _Parser:
             if not name.isidentifier() or not t.strip():
                 raise self.fail(f"input {arg!r} must be 'name: dtype[dims]'", start)
             try:
-                typ = parse_type(t)
+                typ = parse_type(t.strip())
             except ValueError as e:
                 raise self.fail(f"input {name}: {e}", start) from None
             self._define(name, typ, start)
