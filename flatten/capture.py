@@ -72,6 +72,8 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_attention.register()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(str(p))
     archs = config.architectures or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
@@ -106,7 +108,7 @@ class _TokenStream(torch.nn.Module):
         kwargs: dict[str, Any] = {"input_ids": input_ids[None]}
         if "position_ids" in self.accepts:
             kwargs["position_ids"] = positions[None]
-        if "token_type_ids" in self.accepts:
+        if "token_type_ids" in self.accepts and getattr(self.model.config, "type_vocab_size", None):
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)[None]
         if "use_cache" in self.accepts:
             kwargs["use_cache"] = False

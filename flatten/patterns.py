@@ -421,4 +421,6 @@ def raise_patterns(graph: Graph) -> Graph:
     for fn in (raise_rms_norm, raise_layer_norm, raise_gelu, raise_rope, fold_view_chains, squeeze_unit_batch,
                fold_view_chains):
         graph = fn(graph)
-    return dce(graph)
+    from portlayer.flatten.naming import rename_from_source
+
+    return rename_from_source(dce(graph))

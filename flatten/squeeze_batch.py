@@ -45,16 +45,13 @@ def squeeze_unit_batch(graph: Graph) -> Graph:
     orig_types = graph.value_types()
     for n in g.nodes:
         ins = [alias.get(i, i) if i is not None else None for i in n.inputs]
-        sq = [i is not None and i in squeezed for i in ins]
+        sq = [i is not None and i in squeezed for i in n.inputs]
         new_attrs: dict[str, Any] | None = dict(n.attrs)
-        orig_out = n.outputs[0].type if n.outputs else None
         if n.op == "reshape" and len(n.outputs) == 1:
             tgt = list(n.attrs["shape"])
             src = types[ins[0]]
             if tgt and tgt[0] == 1 and len(tgt) >= 2 and list(src.shape) == tgt[1:]:
                 alias[n.outputs[0].name] = ins[0]
-                if ins[0] in squeezed:
-                    continue
                 squeezed.add(n.outputs[0].name)
                 continue
             if tgt and tgt[0] == 1 and len(tgt) >= 2:
@@ -74,16 +71,17 @@ def squeeze_unit_batch(graph: Graph) -> Graph:
         for v, t in zip(n.outputs, outs):
             new_outputs.append(Value(v.name, t))
             types[v.name] = t
-            if t.rank == v.type.rank - 1 and v.type.shape[0] == 1 and tuple(t.shape) == tuple(v.type.shape[1:]):
+            if tuple(t.shape) == tuple(v.type.shape):
+                continue
+            if v.type.rank >= 1 and v.type.shape[0] == 1 and tuple(t.shape) == tuple(v.type.shape[1:]):
                 squeezed.add(v.name)
-            elif tuple(t.shape) != tuple(v.type.shape):
+            else:
                 raise AssertionError(f"squeeze_unit_batch: {n.name} changed type {v.type} -> {t}")
         out_nodes.append(Node(n.name, n.op, ins, new_outputs, new_attrs, dict(n.meta)))
-        del orig_out
     outputs = []
     for o in g.outputs:
         o2 = alias.get(o, o)
-        if o2 in squeezed and orig_types[o].shape != types[o2].shape:
+        if tuple(orig_types[o].shape) != tuple(types[o2].shape):
             o2 = restore(o2, orig_types[o], out_nodes[-1])
         outputs.append(o2)
     g.nodes = out_nodes
@@ -94,6 +92,10 @@ def squeeze_unit_batch(graph: Graph) -> Graph:
 def _adapt(n: Node, ins: list[str | None], sq: list[bool], types: dict[str, TensorType]) -> dict[str, Any] | None:
     """Attributes for ``n`` on squeezed inputs, or None when it must see the original rank."""
     kind = get_op(n.op).kind
+    if n.op in _LAST_AXIS:
+        data = 1 if n.op == "embedding" else 0
+        ok = sq[data] and not any(s for k, s in enumerate(sq) if k != data)
+        return dict(n.attrs) if ok else None
     full_rank = max(types[i].rank for i, s in zip(ins, sq) if i is not None and s) + 1
     for i, s in zip(ins, sq):
         if i is not None and not s and types[i].rank >= full_rank:
@@ -126,8 +128,6 @@ def _adapt(n: Node, ins: list[str | None], sq: list[bool], types: dict[str, Tens
             attrs["shape"] = shape[1:]
             return attrs
         return None
-    if kind == "pointwise" or n.op in _LAST_AXIS:
-        if n.op == "embedding" and not sq[1]:
-            return None
+    if kind == "pointwise":
         return attrs
     return None

