@@ -45,7 +45,7 @@ def graph_html(graph: Graph, *, preview_lines: int = PREVIEW_LINES) -> str:
     shown = lines[:preview_lines]
     if len(lines) > preview_lines:
         shown.append(f"    ... ({len(lines) - preview_lines} more lines)")
-    pre = html.escape("\n".join(shown))
+    pre = html.escape("\n".join(shown), quote=False)
     return (
         "<div class='portlayer-graph'><table>" + body + "</table>"
         f"<pre style='font-size:11px'>{pre}</pre></div>"
