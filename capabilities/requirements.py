@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,12 @@ class ModelRequirements:
             flops, moved = cost.flops, cost.bytes
         except ImportError:
             pass
+        except Exception as e:  # a graph the cost model cannot type: keep the linear-layer estimate
+            warnings.warn(
+                f"graph_cost failed ({type(e).__name__}: {e}); FLOPs/bytes per token estimated from linear layers",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return ModelRequirements(
             name=name or str(meta.get("source") or meta.get("model_type") or "model"),
             task=task,
