@@ -401,3 +401,9 @@ def parse_graph(text: str) -> Graph:
     raises ParseError naming the line. Type comments may be left out in hand-written text.
     """
     return _Parser(text).parse()
+
+
+def canonical_text(text: str, *, show_meta: bool = False) -> str:
+    """Hand-written IR text in printer form, for before/after pass tests:
+    ``assert print_graph(my_pass(parse_graph(BEFORE))) == canonical_text(AFTER)``."""
+    return print_graph(parse_graph(text), show_meta=show_meta)

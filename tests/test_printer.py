@@ -11,6 +11,7 @@ from portlayer.flatten.ir import Graph, GraphBuilder, Node, TensorType, Value
 from portlayer.flatten.ops import OpDef
 from portlayer.flatten.printer import (
     ParseError,
+    canonical_text,
     format_literal,
     parse_graph,
     parse_literal,
@@ -185,3 +186,21 @@ def test_printed_node_matches_node_fields() -> None:
     from portlayer.flatten.printer import format_node
 
     assert format_node(n) == "h = add(a, b)  # float16[2]"
+
+
+def test_canonical_text_for_pass_tests() -> None:
+    before = """
+    def forward(x: float32[num_tokens, 4]):
+        y = mul(x, None, scalar=1.0)
+        z = relu(y)
+        return z
+    """
+    after = """
+    def forward(x: float32[num_tokens, 4]):
+            z = relu(x)   # float32[num_tokens, 4]
+            return z
+    """
+    g = parse_graph(before)  # a hand-rolled "drop multiply by one" rewrite
+    g.nodes = [g.nodes[1].clone(inputs=["x"])]
+    assert print_graph(g) == canonical_text(after)
+    assert canonical_text(after) == "def forward(x: float32[num_tokens, 4]):\n    z = relu(x)  # float32[num_tokens, 4]\n    return z\n"
