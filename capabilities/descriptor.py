@@ -98,13 +98,21 @@ def _covered(path: str, sources: Mapping[str, str]) -> bool:
 
 def validate(raw: Mapping[str, Any], origin: str = "<dict>") -> None:
     """Raise DescriptorError for the first broken rule: schema first, then cross-field rules."""
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(schema())
-    errors = sorted(validator.iter_errors(raw), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
+    errors = sorted(_iter_schema_errors(raw), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
     if errors:
         raise _schema_error(origin, errors[0])
     _semantic_checks(raw, origin)
+
+
+def _iter_schema_errors(raw: Mapping[str, Any]) -> Iterator[Any]:
+    """jsonschema when installed; the built-in subset validator otherwise (e.g. on GPU hosts)."""
+    try:
+        import jsonschema
+    except ImportError:
+        from portlayer.capabilities.minischema import iter_errors
+
+        return iter_errors(schema(), raw)
+    return jsonschema.Draft202012Validator(schema()).iter_errors(raw)
 
 
 def _pow2(n: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from portlayer.capabilities.descriptor import (
@@ -19,7 +20,7 @@ SHIPPED = [
 ]  # fmt: skip
 
 
-def test_all_ten_shipped_descriptors_validate():
+def test_all_ten_shipped_descriptors_validate(validator):
     assert sorted(SHIPPED) == list_descriptors()
     for name in SHIPPED:
         d = load_descriptor(name)
@@ -149,8 +150,16 @@ def _apply(mutation):
     return raw
 
 
+@pytest.fixture(params=["jsonschema", "minischema"])
+def validator(request, monkeypatch):
+    """Run each case with jsonschema and with the fallback used where jsonschema is missing."""
+    if request.param == "minischema":
+        monkeypatch.setitem(sys.modules, "jsonschema", None)  # import now raises ImportError
+    return request.param
+
+
 @pytest.mark.parametrize("mutation,path,rule", MALFORMED, ids=[f"{p}:{r}" for _, p, r in MALFORMED])
-def test_malformed_descriptor_names_path_and_rule(tmp_path, mutation, path, rule):
+def test_malformed_descriptor_names_path_and_rule(tmp_path, mutation, path, rule, validator):
     raw = _apply(mutation)
     f = tmp_path / "broken.json"
     f.write_text(json.dumps(raw))
