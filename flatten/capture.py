@@ -99,15 +99,17 @@ def _set_attn_impl(model: torch.nn.Module) -> None:
 class _TokenStream(torch.nn.Module):
     """forward(input_ids[T], positions[T]) -> logits[T, V] or hidden[T, H]: the flat stream."""
 
-    def __init__(self, model: torch.nn.Module, accepts: set[str]) -> None:
+    def __init__(self, model: torch.nn.Module, accepts: set[str], position_offset: int = 0) -> None:
         super().__init__()
         self.model = model
         self.accepts = accepts
+        self.position_offset = position_offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {"input_ids": input_ids[None]}
         if "position_ids" in self.accepts:
-            kwargs["position_ids"] = positions[None]
+            pos = positions + self.position_offset if self.position_offset else positions
+            kwargs["position_ids"] = pos[None]
         if "token_type_ids" in self.accepts and getattr(self.model.config, "type_vocab_size", None):
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)[None]
         if "use_cache" in self.accepts:
@@ -153,12 +155,42 @@ def model_facts(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def position_offset(model: torch.nn.Module, accepts: set[str]) -> int:
+    """The offset between a token's index in its sequence and the model's position id.
+
+    The flat stream carries 0-based positions. Most models agree; RoBERTa-style models
+    number positions from padding_idx + 1. Found by comparing the model's own default
+    position ids with explicit ones on a short probe input, so no family is special-cased.
+    """
+    if "position_ids" not in accepts:
+        return 0
+    cfg = model.config
+    vocab = int(getattr(cfg, "vocab_size", 8) or 8)
+    pad = getattr(cfg, "pad_token_id", None)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, 6), generator=gen)
+    if pad is not None:
+        ids[ids == pad] = (pad + 1) % vocab
+    probe = _TokenStream(model, accepts - {"position_ids"}).eval()
+    with torch.no_grad():
+        default = probe(ids[0], torch.arange(6))
+        candidates = [0] + ([int(pad) + 1] if pad is not None else [])
+        for off in candidates:
+            explicit = _TokenStream(model, accepts, off).eval()(ids[0], torch.arange(6))
+            if torch.allclose(default, explicit, atol=1e-5, rtol=1e-4):
+                return off
+    raise CaptureError(
+        f"{type(model).__name__} numbers positions in a way portlayer cannot express as a fixed offset "
+        "from the token's index in its sequence; capture is refused rather than silently changing outputs."
+    )
+
+
 def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export.ExportedProgram:
     """torch.export (strict=False) of the flat-stream wrapper with a dynamic token dim."""
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
-    wrapper = _TokenStream(model, accepts).eval()
+    wrapper = _TokenStream(model, accepts, position_offset(model, accepts)).eval()
     n = min(7, max_tokens)
     ids = torch.randint(0, 8, (n,), dtype=torch.long)
     pos = torch.arange(n, dtype=torch.long)
@@ -217,6 +249,14 @@ def capture(
     max_tokens = int(facts.get("max_positions") or 4096)
     say("exporting with torch.export")
     ep = export_token_stream(module, max_tokens=max(max_tokens, 8))
+    if not any(getattr(m, "_portlayer_attention_seen", False) for m in module.modules()):
+        raise CaptureError(
+            f"{type(module).__name__}'s attention does not go through transformers' AttentionInterface, so "
+            "portlayer cannot capture it as one attention op (masks and sequence boundaries would be baked "
+            "into the graph). Supported are models whose modeling code dispatches attention through "
+            "ALL_ATTENTION_FUNCTIONS: Llama, Qwen2/3, Mistral, Gemma 1/2, Phi, Phi-3, StableLM, GPT-NeoX, "
+            "OPT, GPT-2, BERT, RoBERTa, ..."
+        )
     say("converting to the Flat IR")
     graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
     graph.meta.update(facts)

@@ -191,6 +191,20 @@ def _split(cv: Converter, node: Node, args: list, kwargs: dict) -> list[str]:
     return res
 
 
+@lower(aten.repeat_interleave)
+def _repeat_interleave(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
+    """x.repeat_interleave(r, dim) with an int r: unsqueeze after dim, expand, merge."""
+    x, reps = args[0], args[1] if len(args) > 1 else kwargs.get("repeats")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if not isinstance(reps, int) or dim is None:
+        raise UnsupportedOpError(f"repeat_interleave with tensor repeats or no dim at FX node {node.name}")
+    shape = list(cv.type_of(x).shape)
+    d = int(dim) % len(shape)
+    up = cv.reshape_to(x, tuple(shape[: d + 1] + [1] + shape[d + 1:]))
+    big = cv.emit("expand", [up], {"shape": shape[: d + 1] + [reps] + shape[d + 1:]}, name=f"{node.name}_expand")
+    return cv.reshape_to(big, cv.out_shape())
+
+
 @lower(aten.index)
 def _index(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     x, indices = args[0], args[1]

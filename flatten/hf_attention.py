@@ -74,6 +74,7 @@ def portlayer_attention_forward(
             f"{type(module).__name__} passed an explicit 4-D attention mask; portlayer builds masks from "
             "attention metadata at run time. Capture without attention_mask."
         )
+    module._portlayer_attention_seen = True
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)

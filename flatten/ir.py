@@ -99,6 +99,16 @@ class TensorType:
         return TensorType(d["dtype"], tuple(d["shape"]))
 
 
+def to_sympy(d: Any):  # -> sympy.Expr
+    """A dim as a sympy expression whose symbols are positive integers (sizes are)."""
+    import sympy
+
+    if isinstance(d, int):
+        return sympy.Integer(d)
+    expr = sympy.sympify(str(d))
+    return expr.subs({s: sympy.Symbol(s.name, integer=True, positive=True) for s in expr.free_symbols})
+
+
 def normalize_dim(d: Any) -> Dim:
     """Ints stay ints; symbolic expressions become canonical strings (constants fold to int)."""
     if isinstance(d, bool):
@@ -109,7 +119,7 @@ def normalize_dim(d: Any) -> Dim:
         d = str(d.node.expr)
     import sympy
 
-    expr = sympy.sympify(str(d))
+    expr = sympy.simplify(to_sympy(d)) if not isinstance(d, sympy.Basic) else sympy.simplify(to_sympy(str(d)))
     if expr.is_Integer:
         return int(expr)
     return str(expr)

@@ -160,6 +160,23 @@ def _neox_match(rw: Rewriter, s: Node) -> dict[str, str] | None:
     return env
 
 
+def _gptj_match(rw: Rewriter, s: Node) -> dict[str, str] | None:
+    """x*cos + rotate_every_two(x)*sin with rotate_every_two = stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)."""
+    odd = Pat("reshape", (Pat("neg", (Pat("slice", (Var("x"),), bind="odd"),)),))
+    even = Pat("reshape", (Pat("slice", (Var("x"),), bind="even"),))
+    rotate = Pat("reshape", (Pat("concat", (odd, even)),))
+    env = match(rw, Pat("add", (Pat("mul", (Var("x"), Var("cos"))), Pat("mul", (rotate, Var("sin"))))), s.name)
+    if env is None:
+        return None
+    rank = rw.type(env["x"]).rank
+    o, e = rw.g.node(env["odd"]).attrs, rw.g.node(env["even"]).attrs
+    if o["dim"] % rank != rank - 1 or e["dim"] % rank != rank - 1:
+        return None
+    if (o["start"], o["step"], e["start"], e["step"]) != (1, 2, 0, 2) or o["end"] is not None or e["end"] is not None:
+        return None
+    return env
+
+
 def _token_axis(rw: Rewriter, x: str, c: str) -> int | None:
     xs, cs = rw.type(x).shape, rw.type(c).shape
     off = len(xs) - len(cs)
@@ -211,14 +228,16 @@ def raise_rope(graph: Graph) -> Graph:
     for s in [n for n in g.nodes if n.op == "add"]:
         if s.name not in rw.index:
             continue
-        env = _neox_match(rw, s)
+        env, style = _neox_match(rw, s), "neox"
+        if env is None:
+            env, style = _gptj_match(rw, s), "gptj"
         if env is None:
             continue
         x, cos_v, sin_v = env["x"], env["cos"], env["sin"]
         axis = _token_axis(rw, x, cos_v)
         if axis is None or _token_axis(rw, x, sin_v) != axis:
             continue
-        key = (cos_v, sin_v)
+        key = (cos_v, sin_v, style)
         if key not in caches:
             coff = len(rw.type(x).shape) - len(rw.type(cos_v).shape)
             cos_t = _position_table(rw, cos_v, axis - coff, max_pos)
@@ -226,9 +245,13 @@ def raise_rope(graph: Graph) -> Graph:
             if cos_t is None or sin_t is None or cos_t.shape != sin_t.shape:
                 continue
             h = cos_t.shape[1] // 2
-            if not (torch.equal(cos_t[:, :h], cos_t[:, h:]) and torch.equal(sin_t[:, :h], sin_t[:, h:])):
+            if style == "neox":
+                first, second = (slice(None, h), slice(h, None))
+            else:  # gptj: each frequency appears twice, interleaved
+                first, second = (slice(0, None, 2), slice(1, None, 2))
+            if not (torch.equal(cos_t[:, first], cos_t[:, second]) and torch.equal(sin_t[:, first], sin_t[:, second])):
                 continue
-            table = torch.cat([cos_t[:, :h], sin_t[:, :h]], 1).contiguous()
+            table = torch.cat([cos_t[:, first], sin_t[:, first]], 1).contiguous()
             same = [p for p in caches.values() if torch.equal(g.weights[p], table)]
             caches[key] = same[0] if same else rw.add_param("rope_cos_sin_cache", table)
             rw.refresh()
@@ -247,11 +270,11 @@ def raise_rope(graph: Graph) -> Graph:
         head_dim = int(rw.type(full).shape[-1])
         meta = dict(s.meta)
 
-        def build(b: GraphBuilder, full: str = full, axis: int = axis, cache: str = cache,
+        def build(b: GraphBuilder, full: str = full, axis: int = axis, cache: str = cache, style: str = style,
                   rot_dim: int = rot_dim, head_dim: int = head_dim, meta: dict = meta, root: Node = root) -> str:
             y, perm = _to_token_major(b, full, axis, meta)
             r = b.add1("rope", [y, "positions", cache],
-                       {"style": "neox", "rotary_dim": rot_dim, "head_dim": head_dim}, name=f"{root.name}_rope", meta=meta)
+                       {"style": style, "rotary_dim": rot_dim, "head_dim": head_dim}, name=f"{root.name}_rope", meta=meta)
             return _from_token_major(b, r, b.types[full].shape, perm, meta)
 
         new = rw.insert_before(root, build)

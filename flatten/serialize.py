@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from portlayer.flatten.ir import Graph, Node, TensorType, Value, dtype_name
 
 FORMAT = "portlayer.flat_ir"

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+
 from portlayer.flatten.ir import TensorType, torch_dtype
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.flatten.ops import all_ops, get_op, graph_cost
@@ -108,7 +109,6 @@ case("logical_not", "bool", [tt("bool", "num_tokens", 8)], [_XB], {}, [tt("bool"
      pointwise(lambda v: not v, _XB))
 case("logical_not", "float-gives-bool", [F32], [X], {}, [tt("bool", "num_tokens", 8)],
      pointwise(lambda v: v == 0, X, dtype=torch.bool))
-XFAIL["logical_not-float-gives-bool"] = "logical_not infers x's dtype (_same) but torch.logical_not returns bool"
 
 _SQ2 = math.sqrt(2.0)
 case("gelu", "exact", [F32], [X], {}, [F32], pointwise(lambda v: 0.5 * v * (1 + math.erf(v / _SQ2)), X))
@@ -166,7 +166,6 @@ case("where", "both-scalars", [BOOL], [_PB], {"x_scalar": 1.0, "y_scalar": 0.5},
      pointwise(lambda c: 1.0 if c else 0.5, _PB, dtype=torch.float32))
 case("where", "zero-scalars", [BOOL], [_PB], {"x_scalar": 0.0, "y_scalar": 0.0}, [tt("float32", "num_tokens", 8)],
      pointwise(lambda c: 0.0, _PB, dtype=torch.float32))
-XFAIL["where-zero-scalars"] = "_where_infer uses `attrs['x_scalar'] or 0`, so 0.0 becomes int 0 and infers int64"
 
 # ---- nn ops --------------------------------------------------------------------------------
 W_EMB, IDS = rnd(32, 16), rint(0, 32, T)
@@ -352,9 +351,6 @@ case("slice", "negative-start", [F32], [XS], {"dim": -1, "start": -2}, [tt("floa
      torch.tensor([r[-2:] for r in _rows]), ctx=_ctx)
 case("slice", "first-2-tokens", [F32], [XS], {"dim": 0, "start": 0, "end": 2}, [tt("float32", 2, 8)],
      torch.tensor(_rows[:2]), ctx=_ctx)
-XFAIL["slice-tokens-from-1"] = (
-    "op_defs/layout.py _sym() makes non-integer sympy symbols, so ceiling(num_tokens - 1) stays "
-    "'ceiling(num_tokens) - 1' and no longer equals/broadcasts with 'num_tokens - 1'")
 XC = rnd(T, 4)
 case("concat", "tokens", [F32, F32], [XS, XS], {"dim": 0}, [tt("float32", "2*num_tokens", 8)],
      torch.tensor(_rows + _rows))
@@ -376,7 +372,6 @@ case("full", "int", [], [], {"shape": [3], "value": 7, "dtype": "int64"}, [tt("i
      ctx=_ctx)
 case("arange", "tokens", [], [], {"end": "num_tokens"}, [tt("int64", "num_tokens")], torch.tensor(list(range(T))),
      ctx=_ctx)
-XFAIL["arange-tokens"] = "op_defs/layout.py: arange(end='num_tokens') infers 'ceiling(num_tokens)' (see slice-tokens-from-1)"
 case("arange", "step", [], [], {"start": 2, "end": 11, "step": 3}, [tt("int64", 3)], torch.tensor([2, 5, 8]), ctx=_ctx)
 
 

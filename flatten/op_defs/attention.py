@@ -187,12 +187,11 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter per-token k/v into [num_blocks, block_size, H, D] caches; negative slots skip."""
-    block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots = slots[keep]
-    kc = k_cache.view(-1, block_size, *k_cache.shape[2:]).reshape(-1, *k_cache.shape[2:])
-    vc = v_cache.reshape(-1, *v_cache.shape[2:])
+    kc = k_cache.view(-1, *k_cache.shape[2:])  # a view: writes land in the cache (fails loudly if not contiguous)
+    vc = v_cache.view(-1, *v_cache.shape[2:])
     kc.index_copy_(0, slots, k[keep].to(k_cache.dtype))
     vc.index_copy_(0, slots, v[keep].to(v_cache.dtype))
 

@@ -45,7 +45,8 @@ _unary("erf", torch.erf, 8, True)
 _unary("sigmoid", torch.sigmoid, 5, True)
 _unary("relu", torch.relu)
 _unary("silu", F.silu, 6, True)
-_unary("logical_not", torch.logical_not)
+op("logical_not", kind="pointwise", inputs=("x",), infer=lambda ins, a: [ins[0].with_dtype("bool")],
+   flops=out_numel_flops(1))(lambda x: torch.logical_not(x))
 
 
 @op("gelu", kind="pointwise", inputs=("x",), attrs={"approximate": "none"}, infer=_same, flops=out_numel_flops(10))
@@ -113,7 +114,8 @@ def _where_infer(ins: list[TensorType | None], attrs: dict[str, Any]) -> list[Te
     shapes = [ins[0].shape] + [t.shape for t in ins[1:] if t is not None]
     vals = [t for t in ins[1:] if t is not None]
     if not vals:
-        dtype = dtype_name(torch.result_type(torch.tensor(attrs["x_scalar"] or 0), torch.tensor(attrs["y_scalar"] or 0)))
+        dtype = dtype_name(torch.result_type(torch.tensor(0 if attrs["x_scalar"] is None else attrs["x_scalar"]),
+                                             torch.tensor(0 if attrs["y_scalar"] is None else attrs["y_scalar"])))
     elif len(vals) == 2:
         dtype = dtype_name(torch.promote_types(torch_dtype(vals[0].dtype), torch_dtype(vals[1].dtype)))
     else:

@@ -7,14 +7,14 @@ from typing import Any
 import sympy
 import torch
 
-from portlayer.flatten.ir import Dim, TensorType, normalize_dim, torch_dtype
+from portlayer.flatten.ir import Dim, TensorType, normalize_dim, to_sympy, torch_dtype
 from portlayer.flatten.ops import norm_axis, op
 
 BIG = 2**62
 
 
 def _sym(d: Dim) -> sympy.Expr:
-    return sympy.Integer(d) if isinstance(d, int) else sympy.sympify(d)
+    return to_sympy(d)
 
 
 def resolve_shape(in_shape: tuple[Dim, ...], target: list[Dim]) -> tuple[Dim, ...]:
