@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from portlayer.backends.base import BackendAdapter, MemoryInfo
 from portlayer.backends.registry import register_backend
 

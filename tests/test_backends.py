@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from portlayer.backends import BackendError, available_backends, get_backend, registry
 from portlayer.backends.cpu import CPUAdapter
 from portlayer.backends.cuda import CUDAAdapter

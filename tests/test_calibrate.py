@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from portlayer.capabilities.calibrate import (
     CPU_SIZES,
     Sizes,
@@ -68,7 +69,6 @@ def test_cpu_sizes_stay_small():
 
 def test_calibrate_cli_writes_a_descriptor(tmp_path, monkeypatch, capsys):
     import portlayer.capabilities.calibrate as cal
-
     from portlayer.cli_capabilities import main
 
     monkeypatch.setattr(cal, "CPU_SIZES", TINY)

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+
 from portlayer.capabilities.descriptor import (
     Descriptor,
     DescriptorError,

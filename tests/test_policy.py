@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from portlayer.capabilities.descriptor import Descriptor, load_descriptor
 from portlayer.capabilities.plan import LAUNCH_FAMILIES, Plan, PlanError
 from portlayer.capabilities.policy import ModelRequirements, negotiate

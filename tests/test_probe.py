@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from portlayer.capabilities import probe
 from portlayer.capabilities.probe import DetectedDevice, default_target, match_descriptor, probe_devices
 
