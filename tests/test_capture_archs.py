@@ -1,0 +1,88 @@
+"""Architectures no issue names: capture must generalise (rope variants, sliding window,
+softcaps, partial rotary, GPT-J interleaving, offset positions, fused QKV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from portlayer.flatten import CaptureError, capture, interpret
+
+COMMON = dict(vocab_size=128, max_position_embeddings=128)
+ARCHS = {
+    "mistral-sliding-window": (T.MistralConfig, T.MistralForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=4)),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16)),
+    "gemma2-softcap": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, sliding_window=4)),
+    "phi3-fused-qkv": (T.Phi3Config, T.Phi3ForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        pad_token_id=0)),
+    "opt-learned-positions": (T.OPTConfig, T.OPTForCausalLM, dict(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)),
+    "gpt-neox-partial-rotary": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25)),
+    "phi-partial-rotary": (T.PhiConfig, T.PhiForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5)),
+    "gptj-interleaved-rope": (T.GPTJConfig, T.GPTJForCausalLM, dict(
+        n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128)),
+    "roberta-offset-positions": (T.RobertaConfig, T.RobertaModel, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=140)),
+    "llama3-rope-scaling": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+}
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        out = model(ids[None])
+    return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state)[0]
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_arch_matches_hf(name):
+    cfg_cls, model_cls, kw = ARCHS[name]
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**{**COMMON, **kw})).eval()
+    g = capture(model)
+    model.set_attn_implementation("eager")
+    gen = torch.Generator().manual_seed(0)
+    for length in (1, 9, 40):
+        ids = torch.randint(3, 128, (length,), generator=gen)
+        assert (interpret(g, ids) - _forward(model, ids)).abs().max().item() <= 1e-4, (name, length)
+    if "rope" in name or "rotary" in name or name.startswith(("mistral", "gemma", "phi3", "llama")):
+        assert g.find("rope"), f"{name}: rope not raised"
+        assert "cos" not in g.op_counts() and "sin" not in g.op_counts()
+    if name.startswith("gptj"):
+        assert all(n.attrs["style"] == "gptj" for n in g.find("rope"))
+    if name.startswith("mistral"):
+        assert all(n.attrs["sliding_window"] == 4 for n in g.find("attention"))
+    if name.startswith("gemma2"):
+        assert all(n.attrs["softcap"] for n in g.find("attention"))
+
+
+def test_model_bypassing_attention_interface_is_refused_clearly():
+    torch.manual_seed(0)
+    model = T.FalconForCausalLM(T.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                               vocab_size=128, new_decoder_architecture=False)).eval()
+    with pytest.raises(CaptureError, match="AttentionInterface"):
+        capture(model)
+
+
+def test_captured_graph_round_trips_through_json_and_safetensors(captured, tmp_path):
+    from portlayer.flatten.printer import print_graph
+    from portlayer.flatten.serialize import load_graph, save_graph
+
+    g = captured["tiny-qwen3"]
+    save_graph(g, tmp_path / "g")
+    g2 = load_graph(tmp_path / "g")
+    assert print_graph(g2, show_meta=True) == print_graph(g, show_meta=True)
+    ids = torch.randint(0, 256, (13,))
+    assert torch.equal(interpret(g2, ids), interpret(g, ids))
