@@ -1,0 +1,290 @@
+"""The engine: requests in, tokens (or embeddings) out, one scheduler step at a time.
+
+``LLMEngine`` wires scheduler -> block manager -> model runner -> sampler around one
+``Executable``. Sizes come from the Plan (block size, chunk size, token budget, sequence
+slots, KV budget); keyword arguments override them, which is how tests force tiny KV
+budgets or chunk sizes. Everything lives on the engine instance: two engines in one
+process share nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from portlayer.runtime.block_manager import BlockManager
+from portlayer.runtime.executable import Executable
+from portlayer.runtime.kv_cache import KVCacheSpec, allocate_kv_caches
+from portlayer.runtime.model_runner import ModelRunner
+from portlayer.runtime.sampler import Sampler
+from portlayer.runtime.scheduler import Scheduler, SchedulerConfig
+from portlayer.runtime.sequence import RequestOutput, RequestRejected, SamplingParams, Sequence
+
+Prompt = str | Seq[int]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved sizes the engine runs with (Plan values unless overridden)."""
+
+    task: str
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    prefill_chunk_size: int
+    enable_prefix_caching: bool
+    max_model_len: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        executable: Executable,
+        meta: Mapping[str, Any],
+        plan: Any = None,
+        *,
+        backend: Any = None,
+        tokenizer: Any = None,
+        kv_cache_budget_bytes: int | None = None,
+        block_size: int | None = None,
+        max_num_seqs: int | None = None,
+        max_batched_tokens: int | None = None,
+        prefill_chunk_size: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        self.executable, self.meta, self.plan, self.tokenizer = executable, dict(meta), plan, tokenizer
+        task = self.meta.get("task", "causal_lm")
+        max_pos = int(self.meta.get("max_positions") or 4096)
+
+        def pick(given: int | None, name: str, default: int) -> int:
+            if given is not None:
+                return int(given)
+            value = plan.value(name) if plan is not None and name in plan.names() else None
+            return int(value) if value else default
+
+        bs = pick(block_size, "kv_block_size", 16)
+        chunk = pick(prefill_chunk_size, "prefill_chunk_size", 512)
+        budget = pick(max_batched_tokens, "max_batched_tokens", max(chunk, 256))
+        nseqs = pick(max_num_seqs, "max_num_seqs", 256)
+        self.kv_caches = None
+        num_blocks = 0
+        if task == "causal_lm":
+            spec = KVCacheSpec.from_meta(self.meta, bs, executable.dtype)
+            kv_budget = pick(kv_cache_budget_bytes, "kv_cache_budget_bytes", 1 << 30)
+            # Never more than every sequence slot at full length could use (keeps CPU tests small).
+            num_blocks = min(spec.num_blocks_for(kv_budget), nseqs * -(-max_pos // bs))
+            if backend is None:
+                from portlayer.backends.registry import get_backend
+
+                backend = get_backend(executable.device.type)
+            self.kv_caches = allocate_kv_caches(spec, num_blocks, backend)
+        self.config = EngineConfig(task, bs, num_blocks, nseqs, budget, chunk, enable_prefix_caching,
+                                   min(max_pos, num_blocks * bs) if num_blocks else max_pos)  # fmt: skip
+        self.block_manager = BlockManager(max(num_blocks, 1), bs, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(nseqs, budget, chunk), self.block_manager)
+        self.runner = ModelRunner(executable, self.kv_caches, bs)
+        self.sampler = Sampler(seed)
+        self.eos_token_id = self.meta.get("eos_token_id")
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+        self._seq_ids = itertools.count()
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model: str | os.PathLike[str], *, device: str = "cpu", dtype: torch.dtype | None = None,
+                   **kwargs: Any) -> LLMEngine:  # fmt: skip
+        """Capture an HF directory or built-in name and serve it with the reference executable."""
+        from portlayer.builtin_models import resolve_model
+        from portlayer.flatten.capture import capture
+
+        path = resolve_model(str(model))
+        graph = capture(path, dtype=dtype)
+        st_cfg = path / "sentence_bert_config.json"
+        if st_cfg.exists():  # sentence-transformers truncates to its own max_seq_length
+            graph.meta.setdefault("max_seq_length", json.loads(st_cfg.read_text()).get("max_seq_length"))
+        return cls.from_graph(graph, device=device, tokenizer=load_tokenizer(path), **kwargs)
+
+    @classmethod
+    def from_graph(cls, graph: Any, *, device: str = "cpu", **kwargs: Any) -> LLMEngine:
+        from portlayer.backends.registry import get_backend
+        from portlayer.capabilities.policy import plan_for_graph
+        from portlayer.runtime.executable import ReferenceExecutable
+
+        exe = ReferenceExecutable(graph, device=device)
+        backend = kwargs.pop("backend", None) or get_backend(exe.device.type)
+        plan = kwargs.pop("plan", None) or plan_for_graph(graph, backend.descriptor)
+        return cls(exe, graph.meta, plan, backend=backend, **kwargs)
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request; raises RequestRejected (nothing queued) if it can never run."""
+        if self.config.task != "causal_lm":
+            raise RequestRejected(f"generate needs a causal LM; this model's task is {self.config.task!r} (use embed)")
+        seq_id = next(self._seq_ids)
+        rid = request_id if request_id is not None else str(seq_id)
+        ids = self._tokenize(prompt, rid)
+        self._check_prompt(ids, rid)
+        seq = Sequence(seq_id, rid, ids, params or SamplingParams(), arrival=seq_id)
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def _tokenize(self, prompt: Prompt, rid: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"request {rid}: a text prompt needs a tokenizer, and this model has none; "
+                                      "pass token ids instead")  # fmt: skip
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def _check_prompt(self, ids: list[int], rid: str) -> None:
+        c, max_pos = self.config, int(self.meta.get("max_positions") or 0)
+        vocab = self.meta.get("vocab_size")
+        where = f"model {self.meta.get('source', self.meta.get('model_type', '?'))}"
+        if not ids:
+            raise RequestRejected(f"request {rid}: the prompt is empty; give at least one token")
+        if vocab and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            raise RequestRejected(f"request {rid}: token id {bad} is outside {where}'s vocabulary [0, {vocab})")
+        if max_pos and len(ids) > max_pos:
+            raise RequestRejected(f"request {rid}: the prompt has {len(ids)} tokens but {where} allows at most "
+                                  f"{max_pos} positions (max_position_embeddings); shorten the prompt")  # fmt: skip
+        if len(ids) > c.num_blocks * c.block_size:
+            raise RequestRejected(
+                f"request {rid}: the prompt has {len(ids)} tokens but the whole KV cache holds {c.num_blocks * c.block_size} "
+                f"({c.num_blocks} blocks of {c.block_size}); shorten the prompt or raise kv_cache_budget_bytes"
+            )
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the program once, sample; outputs for every sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                                   f"{len(self.scheduler.running)} running sequences; this is a bug")  # fmt: skip
+            return []
+        due, logits = self.runner.execute(batch.items)
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+        outputs = []
+        for seq, tok in zip(due, self.sampler(logits, due)):
+            seq.append_token(tok)
+            reason = seq.stop_reason(self.eos_token_id, self.config.max_model_len)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(RequestOutput.of(seq, self._detok(seq) if seq.finished else None))
+        self.num_steps += 1
+        return outputs
+
+    def _detok(self, seq: Sequence) -> str | None:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+
+    # ---- convenience APIs ------------------------------------------------------------
+    def _submit(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None):
+        many = not (isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)))
+        plist = list(prompts) if many else [prompts]
+        pars = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
+        if len(pars) != len(plist):
+            raise ValueError(f"{len(pars)} SamplingParams for {len(plist)} prompts; give one, or one per prompt")
+        order: list[Sequence | RequestOutput] = []
+        for i, (p, sp) in enumerate(zip(plist, pars)):
+            try:
+                order.append(self.requests[self.add_request(p, sp)])
+            except RequestRejected as e:  # reported in place; the other requests go on
+                ids = [] if isinstance(p, str) else [int(t) for t in p]
+                order.append(RequestOutput(f"rejected-{i}", ids, [], [], True, "rejected", error=str(e)))
+        return order
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Run prompts (texts or token-id lists) to completion; outputs in prompt order.
+
+        A rejected prompt comes back as an output with ``error`` set and no tokens.
+        """
+        order = self._submit(prompts, params)
+        while any(isinstance(o, Sequence) and not o.finished for o in order):
+            self.step()
+        return [o if isinstance(o, RequestOutput) else self._final(o) for o in order]
+
+    def stream(self, prompts: Prompt | Seq[Prompt],
+               params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:  # fmt: skip
+        """Yield each new token (``new_token_ids``) of these prompts as the steps produce them."""
+        order = self._submit(prompts, params)
+        yield from (o for o in order if isinstance(o, RequestOutput))
+        seqs = [o for o in order if isinstance(o, Sequence)]
+        mine = {s.request_id for s in seqs}
+        while any(not s.finished for s in seqs):
+            yield from (o for o in self.step() if o.request_id in mine)
+
+    def _final(self, seq: Sequence) -> RequestOutput:
+        seq.num_emitted = 0
+        return RequestOutput.of(seq, self._detok(seq))
+
+    def embed(self, texts: Seq[str] | Seq[Seq[int]]) -> torch.Tensor:
+        """Embeddings [n, hidden] with the model's own pooling (sentence-transformers dirs) or mean pooling."""
+        if self.config.task == "causal_lm":
+            raise RequestRejected("embed needs an encoder or embedding model; this one is a causal LM (use generate)")
+        limit = int(self.meta.get("max_seq_length") or self.meta.get("max_positions") or 512)
+        lists = []
+        for i, t in enumerate(texts):
+            if isinstance(t, str):
+                if self.tokenizer is None:
+                    raise RequestRejected(f"text {i}: this model has no tokenizer; pass token ids")
+                t = self.tokenizer(t, truncation=True, max_length=limit)["input_ids"]
+            lists.append([int(x) for x in t])
+            if not lists[-1] or len(lists[-1]) > limit:
+                raise RequestRejected(f"input {i} has {len(lists[-1])} tokens; the model takes 1 to {limit}")
+        pooled = self.meta.get("task") == "embedding"
+        out, batch, ntok = [], [], 0
+        for ids in lists + [None]:  # batches of whole sequences under the token budget
+            if ids is None or (batch and ntok + len(ids) > self.config.max_batched_tokens):
+                out.append(self.runner.embed(batch, pooled))
+                batch, ntok = [], 0
+            if ids is not None:
+                batch.append(ids)
+                ntok += len(ids)
+        return torch.cat(out) if out else torch.empty(0)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preemptions,
+                "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                "prefix_hit_blocks": bm.stats.prefix_hit_blocks, "prefix_query_blocks": bm.stats.prefix_query_blocks}  # fmt: skip
+
+
+Engine = LLMEngine
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The HF tokenizer saved beside the model, or None when the directory has none."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))

@@ -1,0 +1,105 @@
+"""Turns a scheduled batch into one call of the compiled program.
+
+The runner flattens the batch into vLLM's token stream (``input_ids``/``positions`` of
+``[num_tokens]``) and builds the :class:`AttentionMetadata` the ``attention`` op reads:
+cumulative query starts, per-sequence context lengths, the cache slot of every new token
+and the padded block tables, prefills first. It talks to the program only through the
+``Executable`` interface, so the reference executable and generated host programs are
+interchangeable.
+
+Logits: the captured graph computes ``lm_head`` for every token and the runner keeps the
+last row of each sequence that is due a token. Gathering those rows *before* ``lm_head``
+would save (num_tokens - num_seqs) x hidden x vocab FLOPs in a prefill; that is a graph
+change (a ``logits_indices`` input) left to the passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from portlayer.flatten.op_defs.attention import AttentionMetadata
+from portlayer.runtime.executable import Executable
+from portlayer.runtime.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        executable: Executable,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        block_size: int,
+    ) -> None:
+        self.executable = executable
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = executable.device
+
+    def prepare(self, items: Seq[tuple[Sequence, int]]) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[int]]:
+        """Feeds, metadata, and the stream rows whose logits are sampled (one per finished-prefill/decode seq)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq, n in items:
+            start = seq.num_computed_tokens
+            end = start + n
+            toks = seq.token_ids
+            ids.extend(toks[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(starts[-1] - 1)
+        width = max((len(s.block_table) for s, _ in items), default=0)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in items]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32).reshape(len(items), width).to(dev),
+            num_prefills=sum(1 for _, n in items if n > 1),
+            max_query_len=max((n for _, n in items), default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+        feeds = {
+            "input_ids": torch.tensor(ids, dtype=torch.int64).to(dev),
+            "positions": torch.tensor(positions, dtype=torch.int64).to(dev),
+        }
+        return feeds, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, items: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one step; return the sequences due a token and their logits rows ([n, vocab])."""
+        feeds, meta, rows = self.prepare(items)
+        logits = self.executable.run(feeds, meta, self.kv_caches)[0]
+        due = [seq for seq, n in items if seq.num_computed_tokens + n == seq.num_tokens]
+        if len(rows) == logits.shape[0]:
+            return due, logits
+        return due, logits[torch.tensor(rows, device=logits.device)]
+
+    @torch.inference_mode()
+    def embed(self, token_lists: Seq[Seq[int]], pooled: bool) -> torch.Tensor:
+        """Encode whole sequences without a KV cache (bidirectional attention sees each sequence at once).
+
+        ``pooled``: the graph ends in pooling ([num_seqs, hidden]); otherwise it returns the last
+        hidden state per token and the runner mean-pools each sequence itself.
+        """
+        lens = [len(t) for t in token_lists]
+        dev = self.device
+        meta = AttentionMetadata.from_lens(lens, device=dev)
+        feeds = {
+            "input_ids": torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64, device=dev),
+            "positions": torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64, device=dev),
+        }
+        out = self.executable.run(feeds, meta, None)[0]
+        if pooled:
+            return out
+        return torch.stack([seg.float().mean(0) for seg in torch.split(out, lens)]).to(out.dtype)
