@@ -1,0 +1,162 @@
+"""The public API: ``compile`` a model into a verified artifact, ``load`` one to run or validate.
+
+    art = portlayer.compile("tiny-qwen3")          # target="auto": the best device here
+    m = portlayer.load(art.path)                  # hashes and device checked first
+    print(m.validate().format_table())
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from portlayer.errors import PortlayerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from portlayer.capabilities.descriptor import Descriptor
+    from portlayer.flatten.ir import Graph
+    from portlayer.loaded import LoadedArtifact
+    from portlayer.runtime.artifact import Manifest
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+QUANTIZE = ("none", "int8", "int4")
+
+
+class CompileError(PortlayerError):
+    """A compile option or model the user passed cannot be used as given."""
+
+
+@dataclass
+class Artifact:
+    """A compiled artifact on disk; ``cache_hit`` says whether this call reused an earlier compile."""
+
+    path: Path
+    cache_hit: bool
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def manifest(self) -> Manifest:
+        from portlayer.runtime.artifact import read_manifest
+
+        return read_manifest(self.path)
+
+    def load(self, check_device: bool = True) -> LoadedArtifact:
+        return load(self.path, check_device=check_device)
+
+    def __str__(self) -> str:
+        m = self.manifest
+        how = "cache hit" if self.cache_hit else "compiled"
+        return f"{how}: {m.model.get('spec')} for {m.target.get('name')} -> {self.path} ({self.seconds:.1f} s)"
+
+
+@dataclass
+class ModelSource:
+    spec: str
+    path: Path | None
+    sha256: str
+    obj: Any = None  # an nn.Module or a Graph passed in memory
+
+
+def _model_source(model: Any) -> ModelSource:
+    import torch
+
+    from portlayer.flatten.ir import Graph
+    from portlayer.runtime.cache import model_dir_hash, tensors_hash
+
+    if isinstance(model, Graph):
+        from portlayer.flatten.serialize import graph_to_json
+
+        return ModelSource("<in-memory graph>", None, tensors_hash(model.weights, graph_to_json(model)), model)
+    if isinstance(model, torch.nn.Module):
+        cfg = getattr(model, "config", None)
+        extra = [type(model).__name__, cfg.to_json_string() if cfg is not None else None]
+        return ModelSource(f"<in-memory {type(model).__name__}>", None, tensors_hash(model.state_dict(), extra), model)
+    if isinstance(model, (str, os.PathLike)):
+        from portlayer.builtin_models import resolve_model
+
+        path = resolve_model(str(model))
+        if not path.is_dir():
+            raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
+        return ModelSource(str(model), path, model_dir_hash(path))
+    raise CompileError(f"compile() takes a model name, an HF directory, an nn.Module or a Graph, not {type(model).__name__}")
+
+
+def _options(dtype: str | torch.dtype | None, quantize: str | None) -> dict[str, Any]:
+    d = None
+    if dtype is not None:
+        key = str(dtype).removeprefix("torch.")
+        if key not in DTYPES:
+            raise CompileError(f"--dtype {dtype!r} is not supported; use one of float32, bfloat16, float16")
+        d = DTYPES[key]
+    if quantize is not None and quantize not in QUANTIZE:
+        raise CompileError(f"--quantize {quantize!r} is not supported; use one of {', '.join(QUANTIZE)}")
+    return {"dtype": d, "quantize": quantize}
+
+
+def compile(  # noqa: A001 - the public name users expect
+    model: str | os.PathLike[str] | torch.nn.Module | Graph,
+    target: str | os.PathLike[str] | Descriptor = "auto",
+    output: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    quantize: str | None = None,
+    progress: bool = True,
+) -> Artifact:
+    """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
+
+    ``model``: a local HF directory, a built-in name (tiny-qwen3, all-minilm-l6-v2), an
+    nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
+    descriptor .json path. A compile whose key is already cached returns at once.
+    """
+    from portlayer.build import Stages, resolve_target
+    from portlayer.runtime import cache
+
+    t0 = time.perf_counter()
+    stages = Stages(progress)
+    options = _options(dtype, quantize)
+    desc = resolve_target(target)
+    src = _model_source(model)
+    key = cache.cache_key(src.sha256, desc.sha256, options)
+
+    def build(final: Path) -> Path:
+        from portlayer.build import build_artifact
+
+        return build_artifact(src, desc, options, key, final, stages)
+
+    if output is None:
+        path, hit = cache.get_or_build(key, build)
+    else:
+        out = Path(output).resolve()
+        cached = cache.lookup(key)
+        hit = cached is not None
+        path = _copy_artifact(cached, out) if cached else build(out)
+    return Artifact(Path(path), hit, time.perf_counter() - t0, stages.timings)
+
+
+def _copy_artifact(src: Path, dest: Path) -> Path:
+    """Copy a verified cached artifact to ``dest`` atomically (staging copy, then rename)."""
+    from portlayer.runtime.artifact import _replace_dir
+
+    staged = dest.parent / f".{dest.name}.copy-{os.getpid()}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, staged, ignore=shutil.ignore_patterns("__pycache__"))
+    _replace_dir(staged, dest)
+    return dest
+
+
+def load(path: str | os.PathLike[str], check_device: bool = True) -> LoadedArtifact:
+    """Verify an artifact (every file's sha256, then the device) and open it.
+
+    ``check_device=False`` opens an artifact built for another device to inspect its
+    graph and plan; its executable then refuses to run.
+    """
+    from portlayer.loaded import open_artifact
+
+    return open_artifact(Path(path), check_device=check_device)

@@ -1,0 +1,154 @@
+"""A verified artifact opened for use: its graph, plan, descriptor, executable and validation.
+
+Nothing here runs before `verify_artifact` has checked every file's hash, and the
+executable is built only for a device the device check accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import sys
+import warnings
+from typing import Any
+
+from portlayer.capabilities.descriptor import Descriptor, DescriptorError
+from portlayer.capabilities.plan import Plan
+from portlayer.flatten.ir import Graph
+from portlayer.runtime import artifact as A
+from portlayer.runtime.artifact import ArtifactError, Manifest
+
+
+def _recompile(m: Manifest) -> str:
+    return m.recompile_command(m.target.get("label") or m.target.get("name", "auto"))
+
+
+class LoadedArtifact:
+    """Use ``portlayer.load(path)`` to get one."""
+
+    def __init__(self, manifest: Manifest, plan: Plan, descriptor: Descriptor, device: Any, notes: list[str]) -> None:
+        self.manifest = manifest
+        self.path = manifest.path
+        self.plan = plan
+        self.descriptor = descriptor
+        self.device = device  # the local DetectedDevice that runs it (None when the check was skipped)
+        self.notes = notes  # toolkit version differences
+
+    def __repr__(self) -> str:
+        return f"<LoadedArtifact {self.manifest.model.get('spec')} for {self.descriptor.name} at {self.path}>"
+
+    @functools.cached_property
+    def graph(self) -> Graph:
+        from portlayer.flatten.serialize import GraphFileError, load_graph
+
+        try:
+            return load_graph(self.path)
+        except GraphFileError as e:
+            raise ArtifactError(f"{e}\nRecompile: `{_recompile(self.manifest)}`") from None
+
+    @property
+    def torch_device(self) -> str:
+        return (self.device.torch_device if self.device is not None else None) or "cpu"
+
+    def executable(self) -> Any:
+        """The program to run: the backend's generated host program if it has one, else the reference."""
+        if self.device is None:
+            raise ArtifactError(
+                f"artifact {self.path} was opened with check_device=False; load it with the device check to run it"
+            )
+        from portlayer.backends.registry import get_backend
+        from portlayer.runtime.executable import ReferenceExecutable
+
+        graph = self.graph
+        if self.manifest.raw.get("codegen", {}).get("generated"):
+            adapter = get_backend(self.descriptor, index=max(self.device.index, 0))
+            loader = getattr(adapter, "load_program", None)
+            if loader is not None:
+                return loader(self.path, graph.weights)
+        return ReferenceExecutable(graph, device=self.torch_device)
+
+    # ---- validation ----------------------------------------------------------------------
+    def validation_cases(self) -> tuple[dict[str, Any], list[Any]]:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from portlayer.runtime.validation import from_files
+
+        doc = A.read_json_file(self.manifest, A.VALIDATION)
+        tpath = self.path / A.VALIDATION_TENSORS
+        try:
+            tensors = load_file(str(tpath))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ArtifactError(f"{tpath}: not a readable safetensors file ({e}); recompile: `{_recompile(self.manifest)}`") from None
+        try:
+            return doc, from_files(doc, tensors)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(
+                f"{self.path / A.VALIDATION}: malformed validation set ({type(e).__name__}: {e}); recompile: "
+                f"`{_recompile(self.manifest)}`"
+            ) from None
+
+    def validate(self, executable: Any = None) -> Any:
+        """Re-run the validation set here; a ValidationReport with max error per output vs tolerance."""
+        from portlayer.runtime.validation import validate
+
+        doc, cases = self.validation_cases()
+        exe = executable or self.executable()
+        return validate(exe, self.graph, cases, int(doc.get("kv_block_size") or 16), doc.get("output_names", []),
+                        quantization=_plan_value(self.plan, "weight_quantization", "none") or "none")
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer from the artifact (None when the model had no tokenizer files)."""
+        tdir = self.path / A.TOKENIZER_DIR
+        if not self.manifest.files_of("tokenizer"):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tdir))
+
+    def _repr_html_(self) -> str:
+        from portlayer.notebook_views import plan_html
+
+        m = self.manifest
+        rows = [("model", m.model.get("spec")), ("target", f"{self.descriptor.name} ({self.descriptor.arch}, "
+                f"{self.descriptor.codegen})"), ("path", str(self.path)), ("files", str(len(m.files))),
+                ("stages", "; ".join(f"{k}: {v}" for k, v in m.raw.get("stages", {}).items() if k != "history"))]
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                       f"{html.escape(str(v))}</td></tr>" for k, v in rows)
+        return f"<div class='portlayer-artifact'><table>{body}</table>{plan_html(self.plan)}</div>"
+
+
+def _plan_value(plan: Plan, name: str, default: Any) -> Any:
+    try:
+        return plan.value(name)
+    except KeyError:
+        return default
+
+
+def open_artifact(path: Any, check_device: bool = True) -> LoadedArtifact:
+    m = A.verify_artifact(path)
+    raw_plan = A.read_json_file(m, A.PLAN)
+    try:
+        plan = Plan.from_json(raw_plan)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ArtifactError(
+            f"{m.path / A.PLAN}: not a plan ({type(e).__name__}: {e}); the artifact is damaged, recompile: "
+            f"`{_recompile(m)}`"
+        ) from None
+    try:
+        desc = Descriptor.from_dict(A.read_json_file(m, A.CAPABILITY), origin=str(m.path / A.CAPABILITY))
+    except DescriptorError as e:
+        raise ArtifactError(f"{e}\nThe artifact's descriptor is damaged; recompile: `{_recompile(m)}`") from None
+    device = A.check_device(m) if check_device else None
+    notes = A.version_notes(m)
+    for n in notes:
+        warnings.warn(f"artifact {m.path}: {n}", UserWarning, stacklevel=3)
+    return LoadedArtifact(m, plan, desc, device, notes)
+
+
+def print_notes(loaded: LoadedArtifact) -> None:
+    for n in loaded.notes:
+        print(f"[portlayer] note: {n}", file=sys.stderr)
+
+
+__all__ = ["LoadedArtifact", "open_artifact", "print_notes"]

@@ -1,0 +1,328 @@
+"""The compiled-artifact directory: atomic writing, the manifest, and verification on load.
+
+An artifact travels to machines that never saw the model, so nothing in it is trusted:
+every file is listed in manifest.json with its kind and sha256, and `verify_artifact`
+refuses a missing, modified or unlisted file (naming it) before any generated code runs.
+Writes go to a temporary sibling directory renamed into place, so a crash or a
+concurrent compile never leaves a half-written artifact under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from portlayer.errors import PortlayerError
+
+FORMAT = "portlayer.artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH = "graph.json"
+WEIGHTS = "weights.safetensors"
+PLAN = "plan.json"
+CAPABILITY = "capability.json"
+VALIDATION = "validation.json"
+VALIDATION_TENSORS = "validation.safetensors"
+TOKENIZER_DIR = "tokenizer"
+SOURCE_DIR = "generated"
+
+#: every file kind an artifact may hold; anything a backend generates is a "source"
+KINDS = ("graph", "weights", "plan", "capability", "validation", "tokenizer", "source")
+FIXED_KINDS = {
+    GRAPH: "graph", WEIGHTS: "weights", PLAN: "plan", CAPABILITY: "capability",
+    VALIDATION: "validation", VALIDATION_TENSORS: "validation",
+}  # fmt: skip
+#: written by Python when generated code is imported; never trusted, never listed
+IGNORED_PARTS = ("__pycache__",)
+
+
+class ArtifactError(PortlayerError):
+    """An artifact is missing, damaged, tampered with, or built for another device."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def toolkit_versions() -> dict[str, str]:
+    """Versions recorded in every manifest (and reported when they differ at load time)."""
+    import torch
+
+    from portlayer import __version__
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # triton is optional on CPU-only or Ascend hosts
+        triton_version = "absent"
+    return {
+        "portlayer": __version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "artifact_format": str(FORMAT_VERSION),
+    }
+
+
+def _walk(root: Path) -> Iterator[str]:
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if p.is_file() and not any(part in IGNORED_PARTS for part in rel.parts) and rel.as_posix() != MANIFEST:
+            yield rel.as_posix()
+
+
+def kind_of(rel: str, declared: Mapping[str, str]) -> str:
+    if rel in declared:
+        return declared[rel]
+    if rel in FIXED_KINDS:
+        return FIXED_KINDS[rel]
+    if rel.startswith(TOKENIZER_DIR + "/"):
+        return "tokenizer"
+    return "source"
+
+
+# ---- writing ---------------------------------------------------------------------------
+class ArtifactWriter:
+    """Stage files in a temporary sibling of ``final``; ``commit`` hashes them and renames.
+
+    Use as a context manager: an exception (or no commit) removes the staging directory.
+    """
+
+    def __init__(self, final: str | os.PathLike[str]) -> None:
+        self.final = Path(final).resolve()
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.final.parent / f".{self.final.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+        self.kinds: dict[str, str] = {}
+        self.committed = False
+
+    def __enter__(self) -> ArtifactWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def declare(self, path: str | os.PathLike[str], kind: str) -> None:
+        """Record the kind of a file written under the staging directory."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown artifact file kind {kind!r}; kinds: {', '.join(KINDS)}")
+        p = Path(path)
+        rel = (p.relative_to(self.dir) if p.is_absolute() else p).as_posix()
+        self.kinds[rel] = kind
+
+    def write_json(self, rel: str, data: Any, kind: str) -> Path:
+        path = self.dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, sort_keys=False, default=str) + "\n")
+        self.declare(rel, kind)
+        return path
+
+    def commit(self, manifest: Mapping[str, Any]) -> Path:
+        """Hash every staged file into manifest.json, then move the directory into place."""
+        files = {}
+        for rel in _walk(self.dir):
+            p = self.dir / rel
+            files[rel] = {"kind": kind_of(rel, self.kinds), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created_unix": int(time.time()),
+            "versions": toolkit_versions(),
+            **manifest,
+            "files": files,
+        }
+        (self.dir / MANIFEST).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        _replace_dir(self.dir, self.final)
+        self.committed = True
+        return self.final
+
+
+def _replace_dir(staged: Path, final: Path) -> None:
+    """Rename ``staged`` to ``final``; an existing artifact there is swapped out, anything else refused."""
+    if final.exists():
+        if final.is_dir() and (final / MANIFEST).is_file() or (final.is_dir() and not any(final.iterdir())):
+            trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(staged, final)
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        shutil.rmtree(staged, ignore_errors=True)
+        raise ArtifactError(
+            f"{final} exists and is not a portlayer artifact (no {MANIFEST}); "
+            "pass an empty or new directory to -o, or remove it first"
+        )
+    os.rename(staged, final)
+
+
+# ---- reading and verifying --------------------------------------------------------------
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    raw: dict[str, Any] = field(repr=False)
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        return self.raw["files"]
+
+    @property
+    def target(self) -> dict[str, Any]:
+        return self.raw.get("target", {})
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.raw.get("model", {})
+
+    @property
+    def versions(self) -> dict[str, str]:
+        return self.raw.get("versions", {})
+
+    def files_of(self, kind: str) -> list[str]:
+        return [rel for rel, f in self.files.items() if f.get("kind") == kind]
+
+    def recompile_command(self, target: str) -> str:
+        spec = self.model.get("spec") or "MODEL"
+        opts = self.raw.get("options", {})
+        extra = "".join(f" --{k} {v}" for k, v in opts.items() if v)
+        return f"portlayer compile {_shell_word(spec)} --target {_shell_word(target)}{extra}"
+
+
+def _shell_word(s: str) -> str:
+    import shlex
+
+    return shlex.quote(str(s))
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Parse manifest.json; every problem is an ArtifactError naming the file and the fix."""
+    root = Path(directory)
+    if not root.exists():
+        raise ArtifactError(f"{root}: no such artifact directory; compile one with `portlayer compile MODEL -o {root}`")
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not a directory; an artifact is the directory `portlayer compile` writes")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{mpath}: missing; {root} is not a portlayer artifact (or was copied incompletely)")
+    try:
+        raw = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e}); the artifact is damaged, recompile it") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise ArtifactError(f"{mpath}: format is {found!r}, expected {FORMAT!r}; not a portlayer artifact manifest")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{mpath}: artifact format_version {raw.get('format_version')!r}, this portlayer reads {FORMAT_VERSION}; "
+            "recompile with this portlayer"
+        )
+    files = raw.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(f, dict) and isinstance(f.get("sha256"), str) and f.get("kind") in KINDS for f in files.values()
+    ):
+        raise ArtifactError(f"{mpath}: 'files' must map each path to {{kind, sha256, bytes}}; the manifest is damaged")
+    return Manifest(root, raw)
+
+
+def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
+    """Check every listed file's sha256 and refuse unlisted ones, before anything is loaded."""
+    m = read_manifest(directory)
+    root = m.path
+    problems = []
+    for rel, info in m.files.items():
+        p = root / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"{rel} ({info['kind']}): path escapes the artifact directory")
+        elif not p.is_file():
+            problems.append(f"{rel} ({info['kind']}): missing")
+        elif p.stat().st_size != info.get("bytes", p.stat().st_size):
+            problems.append(f"{rel} ({info['kind']}): {p.stat().st_size} bytes, manifest says {info['bytes']} (truncated or modified)")
+        elif sha256_file(p) != info["sha256"]:
+            problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+    for rel in _walk(root):
+        if rel not in m.files:
+            problems.append(f"{rel}: not listed in the manifest (added after compile)")
+    if problems:
+        raise ArtifactError(
+            f"artifact {root} failed verification, refusing to load it:\n  - " + "\n  - ".join(problems)
+            + "\nRecompile it (`" + m.recompile_command(m.target.get("name", "auto")) + "`) or restore the files."
+        )
+    for kind in ("graph", "weights", "plan", "capability"):
+        if not m.files_of(kind):
+            raise ArtifactError(f"{root / MANIFEST}: lists no {kind} file; the artifact is incomplete, recompile it")
+    return m
+
+
+def read_json_file(m: Manifest, rel: str) -> Any:
+    """A verified JSON member of the artifact; malformed content is an ArtifactError naming it."""
+    p = m.path / rel
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(
+            f"{p}: not valid JSON ({e}); the artifact is damaged, recompile it: "
+            f"`{m.recompile_command(m.target.get('name', 'auto'))}`"
+        ) from None
+
+
+def version_notes(m: Manifest) -> list[str]:
+    """Human lines for each toolkit version that differs from the one that built the artifact."""
+    here = toolkit_versions()
+    notes = []
+    for k in ("portlayer", "torch", "triton"):
+        built = m.versions.get(k)
+        if built and built != here.get(k):
+            notes.append(f"{k} {built} built this artifact, this is {k} {here.get(k)}")
+    if notes:
+        cmd = m.recompile_command(m.target.get("name", "auto"))
+        notes.append(f"if `portlayer validate` fails, recompile: `{cmd}`")
+    return notes
+
+
+# ---- device match ------------------------------------------------------------------------
+def check_device(m: Manifest, devices: list[Any] | None = None) -> Any:
+    """The local DetectedDevice that can run the artifact: same arch and codegen family.
+
+    Otherwise an ArtifactError saying what the artifact expects, what this machine has
+    (including why accelerators were skipped) and the command that recompiles for it.
+    """
+    from portlayer.capabilities.descriptor import load_descriptor
+    from portlayer.capabilities.probe import default_target, probe_devices
+
+    want_arch, want_codegen = m.target.get("arch"), m.target.get("codegen")
+    devices = probe_devices() if devices is None else devices
+    found = []
+    for d in devices:
+        if not d.usable:
+            found.append(f"{d.device_type}: skipped ({d.reason})")
+            continue
+        desc = load_descriptor(d.descriptor) if d.descriptor else None
+        codegen = desc.codegen if desc else "?"
+        if codegen == want_codegen and want_arch in (d.arch, desc.arch if desc else None):
+            return d
+        found.append(f"{d.torch_device} {d.name} (arch {d.arch}, codegen {codegen}, descriptor {d.descriptor})")
+    try:
+        local = default_target(devices)
+        here = local.name if Path(local.origin).parent.name == "devices" else local.origin
+    except Exception:  # no descriptor at all: still tell the user what to run
+        here = "auto"
+    raise ArtifactError(
+        f"artifact {m.path} was compiled for {m.target.get('name')} ({m.target.get('device_type')}, "
+        f"arch {want_arch}, codegen {want_codegen}), but no device here matches.\n"
+        f"  expected: a {m.target.get('device_type')} device with arch {want_arch} and codegen {want_codegen}\n"
+        "  found:    " + "\n            ".join(found or ["no usable device"]) + "\n"
+        f"Recompile for this machine: {m.recompile_command(here)}"
+    )

@@ -1,0 +1,228 @@
+"""The content-addressed artifact cache: a second compile of the same thing is free.
+
+The key covers everything that changes the artifact: the model's files (or tensors), the
+descriptor's canonical JSON, the compile options and the toolkit (versions plus a
+fingerprint of portlayer's own sources, so a developer editing a pass is not served a
+stale artifact). One file lock per key makes concurrent compiles of one key build once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from portlayer.runtime.artifact import (
+    MANIFEST,
+    ArtifactError,
+    read_manifest,
+    toolkit_versions,
+    verify_artifact,
+)
+
+#: file name patterns that make up a model (others, e.g. ONNX exports in the same dir, are ignored)
+MODEL_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".bin", ".py", ".jinja")
+LOCK_TIMEOUT_S = 3600
+
+
+def cache_root() -> Path:
+    from portlayer.builtin_models import cache_root as root
+
+    return Path(root())
+
+
+def artifacts_dir() -> Path:
+    return cache_root() / "artifacts"
+
+
+def _sha(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---- hashing what goes into the key -------------------------------------------------------
+def _memo_path() -> Path:
+    return cache_root() / "file-hashes.json"
+
+
+def _file_sha(path: Path, memo: dict[str, Any]) -> str:
+    from portlayer.runtime.artifact import sha256_file
+
+    st = path.stat()
+    key = str(path.resolve())
+    hit = memo.get(key)
+    if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+        return hit[2]
+    digest = sha256_file(path)
+    memo[key] = [st.st_size, st.st_mtime_ns, digest]
+    return digest
+
+
+def model_dir_hash(directory: Path) -> str:
+    """sha256 over the model files of an HF directory (memoised by size and mtime: big weights)."""
+    memo_file = _memo_path()
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    files = sorted(
+        p for p in directory.rglob("*")
+        if p.is_file() and p.suffix in MODEL_SUFFIXES and not any(s.startswith(".") for s in p.relative_to(directory).parts)
+    )  # fmt: skip
+    if any(p.suffix == ".safetensors" for p in files):
+        files = [p for p in files if p.suffix != ".bin"]  # the weights actually loaded
+    entries = [(p.relative_to(directory).as_posix(), _file_sha(p, memo)) for p in files]
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    except OSError:
+        pass  # the memo is an optimisation only
+    return _sha(entries)
+
+
+def tensors_hash(tensors: Mapping[str, Any], extra: Any = None) -> str:
+    """sha256 over named tensors (and a JSON-able ``extra``), for in-memory modules and graphs."""
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def toolkit_fingerprint() -> str:
+    """sha256 of portlayer's installed sources, templates and descriptors (changes on any edit)."""
+    import portlayer
+
+    roots = set()
+    for sub in ("", ".flatten", ".passes", ".backends", ".codegen", ".runtime", ".capabilities"):
+        try:
+            mod = __import__("portlayer" + sub, fromlist=["_"])
+        except ImportError:
+            continue
+        if getattr(mod, "__file__", None):  # __path__ of an editable install may hold the repo root
+            roots.add(Path(mod.__file__).parent)
+    h = hashlib.sha256(portlayer.__version__.encode())
+    for root in sorted(roots):
+        for p in sorted(root.rglob("*")):
+            if p.suffix in (".py", ".j2", ".json") and "__pycache__" not in p.parts and p.is_file():
+                h.update(p.relative_to(root).as_posix().encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(model_sha: str, descriptor_sha: str, options: Mapping[str, Any]) -> str:
+    toolkit = {k: v for k, v in toolkit_versions().items() if k != "python"}
+    return _sha({"model": model_sha, "descriptor": descriptor_sha, "options": dict(options),
+                 "toolkit": toolkit, "sources": toolkit_fingerprint()})
+
+
+# ---- lookup, build under a lock, list, clear ------------------------------------------------
+def entry_path(key: str) -> Path:
+    return artifacts_dir() / key[:24]
+
+
+def lookup(key: str) -> Path | None:
+    """The cached artifact for ``key`` if it exists and verifies; a damaged one is removed."""
+    path = entry_path(key)
+    if not (path / MANIFEST).is_file():
+        return None
+    try:
+        m = verify_artifact(path)
+    except ArtifactError:
+        return None
+    return path if m.raw.get("cache_key") == key else None
+
+
+def get_or_build(key: str, build: Callable[[Path], Path]) -> tuple[Path, bool]:
+    """(artifact path, cache hit). ``build(final_path)`` writes the artifact atomically.
+
+    The lock is taken only on a miss; after it is acquired the cache is checked again, so
+    a second process waiting on the first finds its artifact instead of building again.
+    """
+    from filelock import FileLock
+
+    hit = lookup(key)
+    if hit:
+        return hit, True
+    lock_dir = cache_root() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_dir / f"{key[:24]}.lock"), timeout=LOCK_TIMEOUT_S):
+        hit = lookup(key)
+        if hit:
+            return hit, True
+        path = entry_path(key)
+        if path.exists():  # damaged or stale entry: replace it
+            _remove(path)
+        return build(path), False
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    key: str
+    model: str
+    target: str
+    options: dict[str, Any]
+    created_unix: int
+    bytes: int
+    status: str  # "ok" or why the entry is unusable
+
+
+def list_entries() -> list[CacheEntry]:
+    out = []
+    root = artifacts_dir()
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if not p.is_dir() or p.name.startswith("."):
+            continue
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        try:
+            m = read_manifest(p)
+            status = "ok"
+        except ArtifactError as e:
+            out.append(CacheEntry(p, p.name, "?", "?", {}, 0, size, f"damaged: {str(e).splitlines()[0]}"))
+            continue
+        out.append(CacheEntry(
+            p, m.raw.get("cache_key", p.name), m.model.get("spec", "?"), m.target.get("name", "?"),
+            dict(m.raw.get("options", {})), int(m.raw.get("created_unix", 0)), size, status,
+        ))  # fmt: skip
+    return out
+
+
+def _remove(path: Path) -> None:
+    trash = path.parent / f".{path.name}.removing-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear(everything: bool = False) -> int:
+    """Remove cached artifacts (and, with ``everything``, materialised models and hash memos)."""
+    n = 0
+    root = artifacts_dir()
+    for p in list(root.iterdir()) if root.is_dir() else []:
+        if p.is_dir():
+            _remove(p) if not p.name.startswith(".") else shutil.rmtree(p, ignore_errors=True)
+            n += not p.name.startswith(".")
+    if everything:
+        for sub in ("models", "captured", "locks"):
+            shutil.rmtree(cache_root() / sub, ignore_errors=True)
+        _memo_path().unlink(missing_ok=True)
+    return n
+
+
+def iter_sizes() -> Iterator[tuple[str, int]]:
+    """(what, bytes) for each cache area, for `portlayer cache list`."""
+    root = cache_root()
+    for sub in ("artifacts", "captured", "models"):
+        d = root / sub
+        yield sub, sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
