@@ -197,13 +197,17 @@ def _to_token_major(b: GraphBuilder, x: str, token_axis: int, meta: dict) -> tup
     heads = 1
     for i in perm[1:-1]:
         heads *= int(shape[i])
-    y = b.add1("reshape", [y], {"shape": [shape[token_axis], heads, shape[-1]]}, name=f"{x}_thd", meta=meta)
+    target = [shape[token_axis], heads, shape[-1]]
+    if list(b.types[y].shape) != target:
+        y = b.add1("reshape", [y], {"shape": target}, name=f"{x}_thd", meta=meta)
     return y, perm
 
 
 def _from_token_major(b: GraphBuilder, y: str, like_shape: tuple, perm: list[int], meta: dict) -> str:
     permuted = [like_shape[i] for i in perm]
-    z = b.add1("reshape", [y], {"shape": permuted}, name=f"{y}_unflat", meta=meta)
+    z = y
+    if list(b.types[y].shape) != permuted:
+        z = b.add1("reshape", [y], {"shape": permuted}, name=f"{y}_unflat", meta=meta)
     if perm != list(range(len(perm))):
         inv = [perm.index(i) for i in range(len(perm))]
         z = b.add1("permute", [z], {"dims": inv}, name=f"{y}_back", meta=meta)
