@@ -7,7 +7,13 @@ import math
 import torch
 
 from portlayer.flatten.interpret import ExecContext, run_graph
-from portlayer.flatten.patterns import fold_view_chains, raise_gelu, raise_layer_norm, raise_rms_norm, raise_rope
+from portlayer.flatten.patterns import (
+    fold_view_chains,
+    raise_gelu,
+    raise_layer_norm,
+    raise_rms_norm,
+    raise_rope,
+)
 from portlayer.flatten.printer import canonical_text, parse_graph, print_graph
 from portlayer.flatten.squeeze_batch import squeeze_unit_batch
 from portlayer.flatten.verify import verify_graph
