@@ -1,0 +1,200 @@
+"""The implementation registry: which op is realised by which implementation, under which
+capability predicates.
+
+Backends register with :func:`implementation`; the ``select`` pass asks the registry and
+never names a device. A predicate returns ``(ok, reason)`` so a refusal is explainable in
+``portlayer inspect`` ("cann.npu_mrope: head_size 16 is not a multiple of 32 for float16").
+
+Predicates:
+- ``supported(descriptor) -> (bool, str)``: can this device run the implementation at all
+  (codegen family, feature flags, dtype throughput)?
+- ``supports(node, types) -> (bool, str)``: does this node fit it (shapes, dtypes, attrs)?
+- ``match(node, view) -> (list[str] | None, str)``, only for fused vendor ops that realise
+  several nodes in one call: the names of the *other* nodes the call absorbs (``None`` =
+  the pattern is absent, with the reason).
+
+``traits`` steer fusion and memory planning: ``fusible`` (code can be generated into a
+larger kernel), ``epilogue`` (a GEMM that takes pointwise epilogues), ``inplace`` (may
+write its output over a dying input of the same size).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from portlayer.capabilities.descriptor import Descriptor
+from portlayer.flatten.ir import Graph, Node, TensorType
+
+Verdict = tuple[bool, str]
+SupportedFn = Callable[[Descriptor], Verdict]
+SupportsFn = Callable[[Node, Mapping[str, TensorType]], Verdict]
+MatchFn = Callable[[Node, "GraphView"], tuple["list[str] | None", str]]
+FAMILIES = ("torch", "triton", "cann")
+_MODULES = ("impls_torch", "impls_triton", "impls_cann")
+
+
+@dataclass(frozen=True)
+class Impl:
+    op: str
+    name: str
+    family: str
+    priority: int
+    supported: SupportedFn
+    supports: SupportsFn
+    match: MatchFn | None = None
+    traits: Mapping[str, Any] = field(default_factory=dict)
+    emit: Callable[..., dict[str, Any]] | None = None
+
+    @property
+    def fused(self) -> bool:
+        """A vendor call that realises several portable nodes at once."""
+        return self.match is not None
+
+    def trait(self, key: str) -> Any:
+        return self.traits.get(key, False)
+
+
+_REGISTRY: dict[str, list[Impl]] = {}
+
+
+def _always(*_: Any) -> Verdict:
+    return True, ""
+
+
+def implementation(
+    op: str | Iterable[str],
+    *,
+    name: str,
+    family: str,
+    priority: int,
+    supported: SupportedFn = _always,
+    supports: SupportsFn = _always,
+    match: MatchFn | None = None,
+    **traits: Any,
+) -> Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]]:
+    """Register the decorated ``emit(node, types) -> dict`` (how codegen realises the node:
+    the vendor call or the template) as implementation ``name`` of ``op`` (or of each op)."""
+    if family not in FAMILIES:
+        raise ValueError(f"implementation {name!r}: family {family!r} is not one of {FAMILIES}")
+    ops = [op] if isinstance(op, str) else list(op)
+
+    def deco(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        for o in ops:
+            lst = _REGISTRY.setdefault(o, [])
+            if any(i.name == name for i in lst):
+                raise ValueError(f"implementation {name!r} of op {o!r} is registered twice (second in {fn.__module__})")
+            lst.append(Impl(o, name, family, priority, supported, supports, match, dict(traits), fn))
+            lst.sort(key=lambda i: -i.priority)
+        return fn
+
+    return deco
+
+
+def _load() -> None:
+    for m in _MODULES:
+        importlib.import_module(f"portlayer.backends.{m}")
+
+
+def candidates(op: str) -> list[Impl]:
+    """Implementations of ``op``, highest priority first."""
+    _load()
+    return list(_REGISTRY.get(op, []))
+
+
+def find(name: str, op: str | None = None) -> Impl | None:
+    _load()
+    for o, lst in _REGISTRY.items():
+        if op is not None and o != op:
+            continue
+        for i in lst:
+            if i.name == name:
+                return i
+    return None
+
+
+# ---- graph view for multi-node matchers ---------------------------------------------------------
+
+
+class GraphView:
+    """Read-only producer/user/type queries that vendor matchers need."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.types = graph.value_types()
+        self.prod = graph.producers()
+        self.users_map = graph.users()
+
+    def producer(self, value: str | None) -> Node | None:
+        return self.prod.get(value) if value is not None else None
+
+    def users(self, value: str) -> list[Node]:
+        return self.users_map.get(value, [])
+
+    def is_param(self, value: str | None) -> bool:
+        return value is not None and value in self.graph.params
+
+
+# ---- descriptor predicates (data, never device names) ---------------------------------------------
+
+
+def codegen_is(*families: str) -> SupportedFn:
+    def f(d: Descriptor) -> Verdict:
+        if d.codegen in families:
+            return True, ""
+        return False, f"descriptor {d.name} generates {d.codegen!r} code, this needs {' or '.join(families)}"
+
+    return f
+
+
+def needs_feature(feature: str, *, codegen: str | None = None) -> SupportedFn:
+    def f(d: Descriptor) -> Verdict:
+        if codegen and d.codegen != codegen:
+            return False, f"descriptor {d.name} generates {d.codegen!r} code, this is a {codegen} call"
+        if not d.has(feature):
+            return False, f"descriptor {d.name} does not list feature {feature!r}"
+        return True, f"feature {feature!r}: {d.vendor_ops.get(feature, 'listed')}"
+
+    return f
+
+
+def all_of(*fns: SupportedFn) -> SupportedFn:
+    def f(d: Descriptor) -> Verdict:
+        for fn in fns:
+            ok, why = fn(d)
+            if not ok:
+                return ok, why
+        return True, ""
+
+    return f
+
+
+def any_feature(*features: str) -> SupportedFn:
+    def f(d: Descriptor) -> Verdict:
+        have = [x for x in features if d.has(x)]
+        if have:
+            return True, f"has {have[0]}"
+        return False, f"descriptor {d.name} lists none of {list(features)} (no matrix units for a generated GEMM)"
+
+    return f
+
+
+def out_dtype_in(*dtypes: str) -> SupportsFn:
+    def f(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+        dt = node.outputs[0].type.dtype
+        return (True, "") if dt in dtypes else (False, f"output dtype {dt} is not one of {list(dtypes)}")
+
+    return f
+
+
+def both(*fns: SupportsFn) -> SupportsFn:
+    def f(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+        for fn in fns:
+            ok, why = fn(node, types)
+            if not ok:
+                return ok, why
+        return True, ""
+
+    return f
