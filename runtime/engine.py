@@ -116,6 +116,29 @@ class LLMEngine:
         return cls.from_graph(graph, device=device, tokenizer=load_tokenizer(path), **kwargs)
 
     @classmethod
+    def from_artifact(cls, path: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:
+        """Open a compiled artifact (hashes and device checked) and serve its program."""
+        import portlayer
+        from portlayer.backends.registry import get_backend
+
+        loaded = portlayer.load(path)
+        exe = loaded.executable()
+        backend = kwargs.pop("backend", None) or get_backend(loaded.descriptor, index=max(loaded.device.index, 0))
+        return cls(exe, loaded.graph.meta, loaded.plan, backend=backend, tokenizer=loaded.tokenizer(), **kwargs)
+
+    @classmethod
+    def open(cls, spec: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:
+        """An artifact directory (has a manifest), else a model directory or built-in name captured now."""
+        from pathlib import Path
+
+        from portlayer.runtime.artifact import MANIFEST
+
+        if (Path(spec) / MANIFEST).is_file():
+            kwargs.pop("device", None)  # the artifact's device check decides
+            return cls.from_artifact(spec, **kwargs)
+        return cls.from_model(spec, **kwargs)
+
+    @classmethod
     def from_graph(cls, graph: Any, *, device: str = "cpu", **kwargs: Any) -> LLMEngine:
         from portlayer.backends.registry import get_backend
         from portlayer.capabilities.policy import plan_for_graph
@@ -203,6 +226,8 @@ class LLMEngine:
 
     # ---- convenience APIs ------------------------------------------------------------
     def _submit(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None):
+        if self.config.task != "causal_lm":  # a model-level mistake: raise, not per request
+            raise RequestRejected(f"generate needs a causal LM; this model's task is {self.config.task!r} (use embed)")
         many = not (isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)))
         plist = list(prompts) if many else [prompts]
         pars = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
