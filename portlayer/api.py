@@ -83,6 +83,14 @@ def _model_source(model: Any) -> ModelSource:
         from portlayer.builtin_models import resolve_model
 
         path = resolve_model(str(model))
+        if (path / "graph.json").is_file() and not (path / "config.json").is_file():
+            from portlayer.flatten.serialize import GraphFileError, load_graph
+
+            try:  # a Flat IR graph saved with save_graph (e.g. by `portlayer inspect` or an ONNX import)
+                graph = load_graph(path)
+            except GraphFileError as e:
+                raise CompileError(f"{e}") from None
+            return ModelSource(str(model), path, model_dir_hash(path), graph)
         if not path.is_dir():
             raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
         return ModelSource(str(model), path, model_dir_hash(path))
@@ -111,7 +119,7 @@ def compile(  # noqa: A001 - the public name users expect
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
-    ``model``: a local HF directory, a built-in name (tiny-qwen3, all-minilm-l6-v2), an
+    ``model``: a local HF directory, a saved Flat IR directory (graph.json), a built-in name (tiny-qwen3, all-minilm-l6-v2), an
     nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
     descriptor .json path. A compile whose key is already cached returns at once.
     """

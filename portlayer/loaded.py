@@ -106,6 +106,29 @@ class LoadedArtifact:
 
         return AutoTokenizer.from_pretrained(str(tdir))
 
+    # ---- running ------------------------------------------------------------------------
+    def engine(self, **kwargs: Any) -> Any:
+        """A runtime LLMEngine (scheduler, paged KV cache, sampler) over this artifact's executable."""
+        from portlayer.backends.registry import get_backend
+        from portlayer.runtime.engine import LLMEngine
+
+        exe = self.executable()
+        meta = dict(self.graph.meta)
+        kwargs.setdefault("backend", get_backend(exe.device.type))
+        kwargs.setdefault("tokenizer", self.tokenizer())
+        return LLMEngine(exe, meta, self.plan, **kwargs)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 16, **kwargs: Any) -> Any:
+        """Greedy generation of one prompt through the engine; a RequestOutput."""
+        from portlayer.runtime.sequence import SamplingParams
+
+        eng = self.engine(**kwargs)
+        return eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0]
+
+    def embed(self, texts: list[str], **kwargs: Any) -> Any:
+        """Sentence embeddings [n, hidden] through the engine (the model's own pooling)."""
+        return self.engine(**kwargs).embed(texts)
+
     def _repr_html_(self) -> str:
         from portlayer.notebook_views import plan_html
 

@@ -8,6 +8,7 @@ stale artifact). One file lock per key makes concurrent compiles of one key buil
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -97,9 +98,17 @@ def tensors_hash(tensors: Mapping[str, Any], extra: Any = None) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def toolkit_fingerprint() -> str:
-    """sha256 of portlayer's installed sources, templates and descriptors (changes on any edit)."""
+    """sha256 of portlayer's sources, templates and descriptors (changes on any edit).
+
+    Computed once per process: the code a process imported is the code that compiles.
+    PORTLAYER_FINGERPRINT pins it (CI, or a shared checkout others keep editing).
+    """
     import portlayer
+
+    if os.environ.get("PORTLAYER_FINGERPRINT"):
+        return os.environ["PORTLAYER_FINGERPRINT"]
 
     roots = set()
     for sub in ("", ".flatten", ".passes", ".backends", ".codegen", ".runtime", ".capabilities"):
