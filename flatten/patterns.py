@@ -445,8 +445,10 @@ def raise_patterns(graph: Graph) -> Graph:
     """All raisers in order, then view-chain folding and dead-code removal."""
     from portlayer.flatten.squeeze_batch import squeeze_unit_batch
 
-    for fn in (raise_rms_norm, raise_layer_norm, raise_gelu, raise_rope, fold_view_chains, squeeze_unit_batch,
-               fold_view_chains):
+    from portlayer.flatten.attention_pattern import raise_attention_chains
+
+    for fn in (raise_rms_norm, raise_layer_norm, raise_gelu, raise_rope, raise_attention_chains, fold_view_chains,
+               squeeze_unit_batch, fold_view_chains):
         graph = fn(graph)
     from portlayer.flatten.naming import rename_from_source
 

@@ -238,3 +238,54 @@ def test_unit_batch_squeezed():
     after = fold_view_chains(squeeze_unit_batch(before))
     assert print_graph(after) == canonical_text(SQUEEZE_AFTER)
     _same_numbers(before, after, {"input_ids": torch.tensor([1, 5, 31])}, 3)
+
+
+ATTN_BEFORE = """
+def forward(q: float32[1, 4, num_tokens, 8], k: float32[1, 2, num_tokens, 8], v: float32[1, 2, num_tokens, 8]):
+    k5 = reshape(k, shape=[1, 2, 1, 'num_tokens', 8])
+    kx = expand(k5, shape=[1, 2, 2, 'num_tokens', 8])
+    kr = reshape(kx, shape=[1, 4, 'num_tokens', 8])
+    v5 = reshape(v, shape=[1, 2, 1, 'num_tokens', 8])
+    vx = expand(v5, shape=[1, 2, 2, 'num_tokens', 8])
+    vr = reshape(vx, shape=[1, 4, 'num_tokens', 8])
+    kt = transpose(kr, dim0=2, dim1=3)
+    scores = matmul(q, kt)
+    scaled = mul(scores, scalar=0.35355339059327373)
+    probs = softmax(scaled, dim=-1)
+    out = matmul(probs, vr)
+    return out
+"""
+
+
+def test_attention_chain_with_repeat_kv_raised_to_gqa_attention():
+    from portlayer.flatten.attention_pattern import raise_attention_chains
+
+    before = parse_graph(ATTN_BEFORE)
+    after = fold_view_chains(raise_attention_chains(before))
+    (attn,) = after.find("attention")
+    assert attn.attrs["num_heads"] == 4 and attn.attrs["num_kv_heads"] == 2 and attn.attrs["causal"] is False
+    assert "softmax" not in after.op_counts() and "expand" not in after.op_counts()
+    feeds = {"q": torch.randn(1, 4, 6, 8), "k": torch.randn(1, 2, 6, 8), "v": torch.randn(1, 2, 6, 8)}
+    _same_numbers(before, after, feeds, 6)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        feeds["q"], feeds["k"].repeat_interleave(2, 1), feeds["v"].repeat_interleave(2, 1))
+    assert torch.allclose(_run(after, feeds, 6), ref, atol=1e-5)
+
+
+def test_eager_bert_with_mask_building_ops_still_matches_hf(tiny_dirs):
+    """BERT with HF's *eager* attention (no portlayer hook): HF builds and adds a mask, so the
+    chain is masked and is (correctly) left as explicit ops; conversion must still be exact."""
+    from conftest import hf_forward, hf_model
+
+    from portlayer.flatten.capture import export_token_stream
+    from portlayer.flatten.from_export import convert_exported_program
+    from portlayer.flatten.interpret import interpret
+    from portlayer.flatten.patterns import raise_patterns
+
+    model = hf_model(tiny_dirs["tiny-bert"])  # eager attention
+    g = convert_exported_program(export_token_stream(model, max_tokens=512))
+    g.meta["max_positions"] = 512
+    g = raise_patterns(g)
+    assert not g.find("attention") and "softmax" in g.op_counts()
+    ids = torch.randint(0, 256, (11,))
+    assert (interpret(g, ids) - hf_forward(model, ids)).abs().max() <= 1e-4
