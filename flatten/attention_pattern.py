@@ -90,9 +90,9 @@ def raise_attention_chains(graph: Graph) -> Graph:
         def build(b: GraphBuilder, q=q, k=k, v=v, scale=scale, out=out, tokens=tokens, qs=qs, ks=ks, vs=vs) -> str:
             meta = dict(out.meta)
 
-            def token_major(x: str, shape) -> str:
-                t = b.add1("transpose", [x], {"dim0": -3, "dim1": -2}, name=f"{x}_tm", meta=meta)
-                return b.add1("reshape", [t], {"shape": [tokens, shape[-3], shape[-1]]}, name=f"{x}_thd", meta=meta)
+            def token_major(val: str, shape) -> str:
+                t = b.add1("transpose", [val], {"dim0": -3, "dim1": -2}, name=f"{val}_tm", meta=meta)
+                return b.add1("reshape", [t], {"shape": [tokens, shape[-3], shape[-1]]}, name=f"{val}_thd", meta=meta)
 
             a = b.add1("attention", [token_major(q, qs), token_major(k, ks), token_major(v, vs)], {
                 "num_heads": int(qs[-3]), "num_kv_heads": int(ks[-3]), "head_dim": int(qs[-1]),

@@ -443,9 +443,8 @@ def _chain_is_reshape(rw: Rewriter, root: str, chain: list[Node]) -> bool:
 
 def raise_patterns(graph: Graph) -> Graph:
     """All raisers in order, then view-chain folding and dead-code removal."""
-    from portlayer.flatten.squeeze_batch import squeeze_unit_batch
-
     from portlayer.flatten.attention_pattern import raise_attention_chains
+    from portlayer.flatten.squeeze_batch import squeeze_unit_batch
 
     for fn in (raise_rms_norm, raise_layer_norm, raise_gelu, raise_rope, raise_attention_chains, fold_view_chains,
                squeeze_unit_batch, fold_view_chains):
