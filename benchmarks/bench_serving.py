@@ -1,0 +1,198 @@
+"""Serving benchmark: continuous batching over the paged KV cache, through any Executable.
+
+Workload (the runtime issue's): 256 sequences, input and output lengths uniform in
+[100, 1024], seed 0, random token ids, greedy, EOS ignored, all submitted at once, on a
+Qwen3-0.6B-shaped random-weight bf16 model (hidden 1024, intermediate 3072, 28 layers,
+16 heads, 8 KV heads, head_dim 128, vocab 151936, tied embeddings). Reports output
+tokens/s for that workload, and decode tokens/s at fixed batch sizes (default 1, 16, 64:
+B requests prefilled, then N pure-decode steps timed).
+
+The program is the reference executable (torch ops, on whatever device) unless
+``--artifact DIR`` names a compiled artifact, whose generated host program is then used:
+the engine only sees the Executable interface. ``--time-limit`` stops the serving phase
+early and says so in the JSON (``complete: false``): the reference executable is far too
+slow for the whole workload in a short device lease.
+
+    python benchmarks/bench_serving.py --device cuda --json out.json
+    python benchmarks/bench_serving.py --layers 2 --vocab 512 --num-seqs 8 --min-len 8 --max-len 32  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def build_model(layers: int, vocab: int, seed: int) -> torch.nn.Module:
+    """Qwen3-0.6B's shape with seeded random bf16 weights (nothing downloaded)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=vocab, tie_word_embeddings=True,
+                      max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)  # fmt: skip
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def make_engine(args: argparse.Namespace, timings: dict[str, float]) -> tuple[Any, str]:
+    from portlayer.runtime.engine import LLMEngine
+
+    kw: dict[str, Any] = {"enable_prefix_caching": False}  # random prompts share nothing
+    if args.kv_budget_gib:
+        kw["kv_cache_budget_bytes"] = int(args.kv_budget_gib * 2**30)
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_batched_tokens:
+        kw["max_batched_tokens"] = args.max_batched_tokens
+    t0 = time.perf_counter()
+    if args.artifact:
+        eng = LLMEngine.from_artifact(args.artifact, **kw)
+        timings["load_s"] = time.perf_counter() - t0
+        return eng, f"artifact {args.artifact}: {type(eng.executable).__module__}.{type(eng.executable).__name__}"
+    from portlayer.backends.registry import get_backend
+    from portlayer.capabilities.policy import plan_for_graph
+    from portlayer.flatten.capture import capture
+    from portlayer.runtime.executable import ReferenceExecutable
+
+    model = build_model(args.layers, args.vocab, args.seed)
+    timings["build_model_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = capture(model)
+    timings["capture_s"] = time.perf_counter() - t0
+    del model
+    exe = ReferenceExecutable(graph, device=args.device)
+    backend = get_backend(exe.device.type)
+    try:
+        plan = plan_for_graph(graph, args.descriptor or backend.descriptor)
+    except Exception as e:  # no descriptor matched here: engine defaults, said in the JSON
+        print(f"[bench] no plan ({type(e).__name__}: {e}); using engine defaults", file=sys.stderr)
+        plan = None
+    eng = LLMEngine(exe, graph.meta, plan, backend=backend, **kw)
+    return eng, "reference executable (portlayer.runtime.executable.ReferenceExecutable, torch ops)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_serving(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from portlayer.runtime.sequence import SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed)
+    lo, hi, vocab = args.min_len, args.max_len, int(eng.meta["vocab_size"])
+    ins = torch.randint(lo, hi + 1, (args.num_seqs,), generator=g).tolist()
+    outs = torch.randint(lo, hi + 1, (args.num_seqs,), generator=g).tolist()
+    rids = []
+    for n_in, n_out in zip(ins, outs):
+        prompt = torch.randint(0, vocab, (n_in,), generator=g).tolist()
+        rids.append(eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)))
+    generated = finished = steps = 0
+    sync(eng.executable.device)
+    t0 = time.perf_counter()
+    while eng.has_unfinished() and time.perf_counter() - t0 < args.time_limit:
+        for o in eng.step():
+            generated += len(o.new_token_ids)
+            finished += o.finished
+        steps += 1
+    sync(eng.executable.device)
+    dt = time.perf_counter() - t0
+    complete = not eng.has_unfinished()
+    for r in rids:
+        eng.abort(r)
+    return {"num_seqs": args.num_seqs, "input_tokens": sum(ins), "target_output_tokens": sum(outs),
+            "finished_seqs": finished, "output_tokens": generated, "steps": steps, "seconds": round(dt, 3),
+            "output_tok_s": round(generated / dt, 2), "complete": complete,
+            "preemptions": eng.stats["preemptions"]}  # fmt: skip
+
+
+def run_decode(eng: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill ``batch`` requests of ``--decode-context`` tokens, then time pure-decode steps."""
+    from portlayer.runtime.sequence import SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed + batch)
+    vocab = int(eng.meta["vocab_size"])
+    sp = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+    rids = [eng.add_request(torch.randint(0, vocab, (args.decode_context,), generator=g).tolist(), sp)
+            for _ in range(batch)]  # fmt: skip
+    seqs = [eng.requests[r] for r in rids]
+    while any(not s.output_token_ids for s in seqs):
+        eng.step()
+    eng.step()  # one untimed decode (warm-up of this batch shape)
+    sync(eng.executable.device)
+    t0 = time.perf_counter()
+    for _ in range(args.decode_steps):
+        batch_now = eng.scheduler.running
+        assert len(batch_now) == batch and all(s.num_uncomputed_tokens == 1 for s in batch_now), "not a pure decode"
+        eng.step()
+    sync(eng.executable.device)
+    dt = time.perf_counter() - t0
+    for r in rids:
+        eng.abort(r)
+    return {"batch": batch, "context": args.decode_context, "steps": args.decode_steps,
+            "step_ms": round(1000 * dt / args.decode_steps, 3), "decode_tok_s": round(batch * args.decode_steps / dt, 2)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--artifact", default=None, help="compiled artifact directory (its generated program is used)")
+    p.add_argument("--descriptor", default=None, help="descriptor for the plan (default: the backend's probed one)")
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--time-limit", type=float, default=float("inf"), help="stop the serving phase after this many seconds")
+    p.add_argument("--decode-batches", default="1,16,64")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-context", type=int, default=512)
+    p.add_argument("--kv-budget-gib", type=float, default=None, help="KV cache size (default: the plan's budget)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-batched-tokens", type=int, default=None)
+    p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    args = p.parse_args(argv)
+
+    timings: dict[str, float] = {}
+    eng, program = make_engine(args, timings)
+    dev = eng.executable.device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    print(f"[bench] {program} on {gpu}; {eng.config}", file=sys.stderr)
+    result: dict[str, Any] = {
+        "gpu": gpu, "device": str(dev), "program": program, "torch": torch.__version__,
+        "model": {"shape": "Qwen3-0.6B", "layers": args.layers, "vocab": args.vocab, "dtype": str(eng.executable.dtype)},
+        "engine": {k: v for k, v in vars(eng.config).items()}, "timings": timings,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }  # fmt: skip
+    if not args.skip_serving:
+        result["serving"] = run_serving(eng, args)
+        print(f"[bench] serving: {json.dumps(result['serving'])}", file=sys.stderr)
+    result["decode"] = []
+    for b in (int(x) for x in args.decode_batches.split(",") if x):
+        result["decode"].append(run_decode(eng, b, args))
+        print(f"[bench] decode: {json.dumps(result['decode'][-1])}", file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
