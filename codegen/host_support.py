@@ -1,0 +1,236 @@
+"""What generated host programs import: step state, buffer views, kernel loading, CUDA graphs.
+
+A generated program (host.py in the artifact) is a subclass of :class:`HostProgram` that
+only says which kernels run in which order on which buffers; the mechanics shared by every
+program live here, once, under test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from portlayer.flatten.ir import torch_dtype
+from portlayer.flatten.op_defs.attention import AttentionMetadata
+
+
+def W_T(w: torch.Tensor) -> torch.Tensor:  # noqa: N802 - reads like math in generated code
+    """nn.Linear weights are [out, in]; torch.mm wants [in, out]: a transposed view, no copy."""
+    return w.t()
+
+
+def gemm_block_m(tokens: int, largest: int) -> int:
+    """Row tile of the Triton GEMM: the smallest power of two >= tokens, in [16, largest]."""
+    bm = 16
+    while bm < tokens and bm < largest:
+        bm *= 2
+    return bm
+
+
+def ref(op: str, inputs: Sequence[Any], attrs: Mapping[str, Any], st: StepState) -> list[torch.Tensor]:
+    """Run one op's reference implementation (ops with no kernel template, and the CPU program)."""
+    from portlayer.flatten.interpret import ExecContext
+    from portlayer.flatten.ops import get_op
+
+    ctx = ExecContext(bindings={"num_tokens": st.num_tokens, "num_seqs": st.num_seqs}, attn_metadata=st.meta,
+                      kv_cache=st.kv_caches, device=st.device)
+    return get_op(op).reference(list(inputs), attrs, ctx)
+
+
+def load_kernels(directory: Path, names: Sequence[str]) -> SimpleNamespace:
+    """Import each kernels/<name>.py (Triton needs real files to read the source from)."""
+    fns: dict[str, Any] = {}
+    for name in names:
+        path = Path(directory) / f"{name}.py"
+        mod_name = f"portlayer_kernels_{abs(hash(str(path.resolve())))}_{name}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert spec and spec.loader, path
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
+        for attr in dir(mod):
+            if attr.startswith(name):
+                fns[attr] = getattr(mod, attr)
+    return SimpleNamespace(**fns)
+
+
+@dataclass
+class StepState:
+    """One step's sequence layout on the device, in the dtypes the kernels read."""
+
+    num_tokens: int
+    num_seqs: int
+    num_prefills: int
+    num_decodes: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor | None
+    block_tables: torch.Tensor | None
+    bt_stride: int
+    block_size: int
+    paged: bool
+    meta: AttentionMetadata | None
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None
+    device: torch.device
+
+    @staticmethod
+    def build(meta: AttentionMetadata | None, num_tokens: int, device: torch.device,
+              kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> StepState:
+        meta = meta if meta is not None else AttentionMetadata.single(num_tokens, device=device)
+        qsl = meta.query_start_loc.to(device=device, dtype=torch.int32, non_blocking=True)
+        seq_lens = meta.seq_lens.to(device=device, dtype=torch.int32, non_blocking=True)
+        slots = None if meta.slot_mapping is None else meta.slot_mapping.to(device=device, dtype=torch.int64)
+        bt = None if meta.block_tables is None else meta.block_tables.to(device=device, dtype=torch.int32).contiguous()
+        max_q = meta.max_query_len
+        if not max_q:  # metadata built by hand: one host read of the query lengths
+            q = meta.query_start_loc.cpu()
+            max_q = int((q[1:] - q[:-1]).max()) if q.numel() > 1 else 0
+        paged = kv_caches is not None and bt is not None
+        n = int(meta.seq_lens.shape[0])
+        prefills = meta.num_prefills if paged else n
+        return StepState(num_tokens, n, prefills, n - prefills, max_q, qsl, seq_lens, slots if paged else None,
+                         bt, bt.stride(0) if bt is not None else 0,
+                         int(kv_caches[0][0].shape[1]) if paged else 16, paged, meta, kv_caches, device)
+
+
+class HostProgram:
+    """Base of generated programs. Subclasses set KERNELS, BUFFERS, ARENA, INPUTS, OUTPUTS,
+    PARAM_DTYPES and ``forward``; this class allocates once and runs steps (CUDA graphs for
+    decode steps whose batch fits a captured size)."""
+
+    KERNELS: tuple[str, ...] = ()
+    BUFFERS: tuple[tuple[str, str, tuple[str, ...], str], ...] = ()  # value, dtype, shape(T), offset(T)
+    ARENA = "0"
+    SCRATCH: tuple[int, int] = (0, 0)  # decode split-K partials per sequence: (outputs, maxima)
+    INPUTS: tuple[str, ...] = ()
+    OUTPUTS: tuple[str, ...] = ()
+    PARAM_DTYPES: dict[str, str] = {}
+    MAX_POSITIONS = 4096
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", *,
+                 kernels_dir: Path | str | None = None, max_tokens: int = 2048, max_seqs: int = 256,
+                 capture_sizes: Sequence[int] = (), use_graphs: bool = True) -> None:
+        self.device = torch.device(device)
+        missing = [k for k in self.PARAM_DTYPES if k not in weights]
+        if missing:
+            raise KeyError(f"host program: weights missing {missing[:5]} (of {len(missing)}); pass the artifact's weights")
+        self.W = SimpleNamespace(**{k: weights[k].to(device=self.device, dtype=torch_dtype(dt))
+                                    for k, dt in self.PARAM_DTYPES.items()})
+        floats = [torch_dtype(d) for d in self.PARAM_DTYPES.values() if d.startswith(("float", "bfloat"))]
+        self.dtype = floats[0] if floats else torch.float32
+        self.K = load_kernels(Path(kernels_dir), self.KERNELS) if kernels_dir and self.KERNELS else SimpleNamespace()
+        self.max_tokens, self.max_seqs = max_tokens, max(max_seqs, 1)
+        self.arena = torch.empty(_eval(self.ARENA, max_tokens) + 256, dtype=torch.uint8, device=self.device)
+        out_n, max_n = self.SCRATCH
+        self.part_out = torch.empty(max(1, self.max_seqs * out_n), dtype=torch.float32, device=self.device)
+        self.part_max = torch.empty(max(1, self.max_seqs * max_n), dtype=torch.float32, device=self.device)
+        self.part_sum = torch.empty(max(1, self.max_seqs * max_n), dtype=torch.float32, device=self.device)
+        self._views: dict[int, SimpleNamespace] = {}
+        self.capture_sizes = sorted(s for s in capture_sizes if s <= min(max_seqs, max_tokens))
+        self.use_graphs = use_graphs and self.device.type == "cuda" and bool(self.capture_sizes)
+        self._graphs: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
+        self._static: SimpleNamespace | None = None
+
+    # ---- buffers ---------------------------------------------------------------------
+    def buffers(self, T: int) -> SimpleNamespace:  # noqa: N803 - T is the token count, as in the generated code
+        """Views of the arena for ``T`` tokens (cached: steps of one size reuse them)."""
+        views = self._views.get(T)
+        if views is None:
+            if T > self.max_tokens:
+                raise ValueError(f"step of {T} tokens exceeds the program's max_tokens={self.max_tokens}; "
+                                 "load the program with a larger max_tokens")
+            ns = {}
+            for value, dtype, shape, offset in self.BUFFERS:
+                dims = [_eval(d, T) for d in shape]
+                dt = torch_dtype(dtype)
+                off = _eval(offset, self.max_tokens)
+                n = 1
+                for d in dims:
+                    n *= d
+                ns[value] = self.arena[off : off + n * dt.itemsize].view(dt).view(dims)
+            views = SimpleNamespace(**ns)
+            if len(self._views) < 64:
+                self._views[T] = views
+        return views
+
+    def forward(self, T: int, S: int, feeds: Mapping[str, torch.Tensor], st: StepState,  # noqa: N803
+                kv_caches: Any) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    # ---- one step --------------------------------------------------------------------
+    def run(self, feeds: Mapping[str, torch.Tensor], attn_metadata: AttentionMetadata | None,
+            kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> list[torch.Tensor]:
+        """The Executable interface: outputs for one step (the caller owns them)."""
+        T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
+        if self._graphable(T, attn_metadata, kv_caches):
+            return self._replay(T, feeds, attn_metadata, kv_caches)
+        st = StepState.build(attn_metadata, T, self.device, kv_caches)
+        dev_feeds = {k: feeds[k].to(self.device, non_blocking=True) for k in self.INPUTS}
+        outs = self.forward(T, st.num_seqs, dev_feeds, st, kv_caches)
+        return [o.clone() for o in outs]
+
+    # ---- CUDA graphs for decode ------------------------------------------------------
+    def _graphable(self, T: int, meta: AttentionMetadata | None, kv_caches: Any) -> bool:  # noqa: N803
+        return (self.use_graphs and kv_caches is not None and meta is not None and meta.block_tables is not None
+                and meta.slot_mapping is not None and meta.num_prefills == 0 and int(meta.seq_lens.shape[0]) == T
+                and T <= self.capture_sizes[-1]
+                and meta.block_tables.shape[1] <= -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1])))
+
+    def _static_state(self, kv_caches: Any) -> SimpleNamespace:
+        if self._static is None:
+            n, dev = self.capture_sizes[-1], self.device
+            width = -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
+            self._static = SimpleNamespace(
+                feeds={k: torch.zeros(n, dtype=torch.int64, device=dev) for k in self.INPUTS},
+                slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                seq_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
+                qsl=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            )
+        return self._static
+
+    def _replay(self, T: int, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata,  # noqa: N803
+                kv_caches: Any) -> list[torch.Tensor]:
+        B = next(s for s in self.capture_sizes if s >= T)  # noqa: N806
+        s = self._static_state(kv_caches)
+        for k in self.INPUTS:
+            s.feeds[k][:T].copy_(feeds[k], non_blocking=True)
+        s.slots[:T].copy_(meta.slot_mapping, non_blocking=True)
+        s.slots[T:B].fill_(-1)
+        s.seq_lens[:T].copy_(meta.seq_lens, non_blocking=True)
+        s.seq_lens[T:B].fill_(0)
+        w = meta.block_tables.shape[1]
+        s.block_tables[:T, :w].copy_(meta.block_tables, non_blocking=True)
+        key = (B, tuple(c.data_ptr() for pair in kv_caches for c in pair))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(B, kv_caches)
+        graph, outs = self._graphs[key]
+        graph.replay()
+        return [o[:T].clone() for o in outs]
+
+    def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
+        s = self._static
+        st = StepState(B, B, 0, B, 1, s.qsl[: B + 1], s.seq_lens[:B], s.slots[:B], s.block_tables[:B],
+                       s.block_tables.stride(0), int(kv_caches[0][0].shape[1]), True, None, kv_caches, self.device)
+        feeds = {k: v[:B] for k, v in s.feeds.items()}
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: compiles kernels outside the capture
+            self.forward(B, B, feeds, st, kv_caches)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = self.forward(B, B, feeds, st, kv_caches)
+        return graph, outs
+
+
+def _eval(expr: str, T: int) -> int:  # noqa: N803
+    return int(eval(expr, {"__builtins__": {}}, {"T": T}))  # expressions written by codegen: ints and T

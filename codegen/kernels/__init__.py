@@ -1,0 +1,1 @@
+"""One builder per kernel family: a kernel group -> rendered kernels + host statements."""

@@ -1,0 +1,143 @@
+"""The attention group: write the new K/V into the paged cache, then paged prefill and
+split-K decode kernels (or, without a cache, varlen attention over the stream)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portlayer.codegen.expr import Unsupported
+from portlayer.codegen.kernels.context import GenContext, GroupCode, dot_args, make_kernel
+from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
+
+
+def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
+    """KV splits per decode sequence: enough programs to cover the compute units at batch 1."""
+    return max(1, min(16, pow2(max(1, ctx.compute_units // max(1, num_kv_heads)))))
+
+
+def _common(ctx: GenContext, node) -> dict[str, Any]:
+    q_t, k_t, v_t = (ctx.types[i] for i in node.inputs[:3])
+    hq, hkv, d = int(q_t.shape[1]), int(k_t.shape[1]), int(q_t.shape[2])
+    if int(v_t.shape[2]) != d or hq % hkv:
+        raise Unsupported("attention kernels want v's head_dim equal to q's and Hq a multiple of Hkv")
+    a = node.attrs
+    return {"HQ": hq, "HKV": hkv, "D": d, "GROUP": hq // hkv, "BLOCK_D": pow2(max(16, d)),
+            "WINDOW": int(a.get("sliding_window") or 0), "SOFTCAP": float(a.get("softcap") or 0.0),
+            "scale": float(a["scale"]) if a.get("scale") is not None else 1.0 / math.sqrt(d),
+            "causal": bool(a.get("causal", True)), "dtype": q_t.dtype, "kv_dtype": k_t.dtype}
+
+
+def build_prefill(ctx: GenContext, node, paged: bool):
+    c = _common(ctx, node)
+    cfg = ctx.cfg("attention_prefill")
+    const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
+    const.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=c["BLOCK_D"])
+    if paged:
+        const["BLOCK_SIZE"] = 16
+    const.update(WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
+    kv = c["kv_dtype"]
+    params = [Param("q_ptr", ptr(c["dtype"])), Param("k_ptr", ptr(kv)), Param("v_ptr", ptr(kv)),
+              Param("out_ptr", ptr(c["dtype"]))]
+    if paged:
+        params += [Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32")]
+    params.append(Param("query_start_ptr", "*i32"))
+    if paged:
+        params.append(Param("bt_stride", "i32"))
+    params += [Param("scale", "fp32")] + [Param(k, "constexpr") for k in const]
+    mode = ("paged" if paged else "dense") + ("" if c["causal"] else "_bidir")
+    spec = make_kernel("triton/attention_prefill.py.j2", "attn_prefill", f"{mode}_{short_dtype(c['dtype'])}", params,
+                       const, cfg["num_warps"], cfg["num_stages"], doc="Varlen flash attention (prefill).",
+                       paged=paged, causal=c["causal"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
+                       dot_args=dot_args(c["dtype"]))
+    return spec, const, c, cfg
+
+
+def build_decode(ctx: GenContext, node):
+    c = _common(ctx, node)
+    cfg = ctx.cfg("attention_decode")
+    splits = num_splits(ctx, c["HKV"])
+    const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
+    const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits,
+                 WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
+    kv = c["kv_dtype"]
+    params = [Param("q_ptr", ptr(c["dtype"])), Param("k_cache_ptr", ptr(kv)), Param("v_cache_ptr", ptr(kv)),
+              Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32"), Param("query_start_ptr", "*i32"),
+              Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
+              Param("seq_offset", "i32"), Param("bt_stride", "i32"), Param("scale", "fp32")]
+    params += [Param(k, "constexpr") for k in const]
+    spec = make_kernel("triton/attention_decode.py.j2", "attn_decode", short_dtype(c["dtype"]), params, const,
+                       cfg["num_warps"], cfg["num_stages"], doc="Split-K paged decode attention.",
+                       GROUP=c["GROUP"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
+                       dot_args=dot_args(c["dtype"]))
+    reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "NUM_SPLITS": splits}
+    reduce_params = [Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
+                     Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32")]
+    reduce_params += [Param(k, "constexpr") for k in reduce_const]
+    from portlayer.codegen.spec import KernelSpec
+
+    reduce = KernelSpec(name=spec.name + "_reduce", family="attn_decode", source=spec.source, fn=spec.fn + "_reduce",
+                        params=reduce_params, constexprs=reduce_const, num_warps=cfg["num_warps"],
+                        doc="Merge of the split-K partial results.", extra={"module": spec.name})
+    return spec, reduce, const, c, cfg
+
+
+def build_cache_write(ctx: GenContext, node):
+    k_t, v_t = ctx.types[node.inputs[1]], ctx.types[node.inputs[2]]
+    row = int(k_t.shape[1]) * int(k_t.shape[2])
+    if int(v_t.shape[1]) * int(v_t.shape[2]) != row:
+        raise Unsupported("reshape_and_cache wants K and V rows of one size")
+    block = pow2(row)
+    warps = ctx.row_warps("reshape_and_cache", block, k_t.dtype)
+    params = [Param("k_ptr", ptr(k_t.dtype)), Param("v_ptr", ptr(v_t.dtype)), Param("k_cache_ptr", ptr(k_t.dtype)),
+              Param("v_cache_ptr", ptr(v_t.dtype)), Param("slot_mapping_ptr", "*i64"), Param("n_tokens", "i32"),
+              Param("ROW", "constexpr"), Param("BLOCK", "constexpr")]
+    spec = make_kernel("triton/reshape_and_cache.py.j2", "reshape_and_cache", short_dtype(k_t.dtype), params,
+                       {"ROW": row, "BLOCK": block}, warps, doc="Write new K/V into the paged cache.")
+    return spec, row, block, warps
+
+
+def build_attention(ctx: GenContext, group: dict[str, Any]) -> GroupCode:
+    (node,) = [ctx.nodes[n] for n in group["nodes"]]
+    q, k, v = node.inputs[:3]
+    out = node.outputs[0].name
+    layer = int(node.attrs.get("layer", 0))
+    cache, row, block, cw = build_cache_write(ctx, node)
+    pre, pconst, c, pcfg = build_prefill(ctx, node, paged=True)
+    dense, dconst, _, _ = build_prefill(ctx, node, paged=False)
+    dec, red, kconst, _, kcfg = build_decode(ctx, node)
+
+    def consts(d: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in d.items() if k not in skip)
+
+    s = repr(c["scale"])
+    lines = [
+        f"# layer {layer}: {c['HQ']} query heads over {c['HKV']} KV heads of {c['D']}, "
+        f"{'causal' if c['causal'] else 'bidirectional'}",
+        "if st.paged:",
+        f"    k_cache, v_cache = kv_caches[{layer}]",
+        "    if st.slot_mapping is not None:",
+        f"        K.{cache.name}[(T,)]({k}, {v}, k_cache, v_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
+        f"num_warps={cw})",
+        "    if st.num_prefills:",
+        f"        K.{pre.name}[(triton.cdiv(st.max_query_len, {pconst['BLOCK_M']}), st.num_prefills, {c['HQ']})](",
+        f"            {q}, k_cache, v_cache, {out}, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, {s},",
+        f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
+        f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
+        "    if st.num_decodes:",
+        f"        K.{dec.name}[(st.num_decodes, {c['HKV']}, {kconst['NUM_SPLITS']})](",
+        f"            {q}, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,",
+        f"            self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, {s},",
+        f"            {consts(kconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
+        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
+        f"        K.{red.name}[(st.num_decodes, {c['HQ']})](",
+        f"            self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills,",
+        f"            {consts(red.constexprs)}, num_warps={kcfg['num_warps']})",
+        "else:",
+        f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {c['HQ']})](",
+        f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {consts(dconst)},",
+        f"        num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
+    ]
+    code = GroupCode([cache, pre, dense, dec, red], lines, [out])
+    code.kernels[-1].extra["scratch"] = (c["HQ"], kconst["NUM_SPLITS"], c["BLOCK_D"])
+    return code

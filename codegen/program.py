@@ -1,0 +1,71 @@
+"""Write generated programs to an artifact directory and load them back as Executables.
+
+Layout: <out>/host.py (the program), <out>/kernels/<name>.py (one Triton kernel module
+each), <out>/kernels.json (launch configs and signatures, for AOT builds and inspection).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portlayer.codegen.gemm_rule import triton_gemm_max_tokens
+from portlayer.codegen.host import GeneratedProgram, generate_torch_program, generate_triton_program
+from portlayer.codegen.kernels.context import GenContext
+from portlayer.flatten.ir import Graph
+
+
+def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
+    """Codegen context from the Plan's launch configs and the descriptor's facts."""
+    launch = {}
+    if plan is not None:
+        try:
+            launch = plan.launch_configs
+        except KeyError:
+            launch = {}
+    return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
+                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor))
+
+
+def generate(graph: Graph, plan: Any, descriptor: Any) -> GeneratedProgram:
+    if descriptor.codegen == "triton":
+        return generate_triton_program(graph, context_for(graph, plan, descriptor), target=descriptor.name)
+    return generate_torch_program(graph, target=descriptor.name)
+
+
+def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
+    out = Path(out_dir)
+    (out / "kernels").mkdir(parents=True, exist_ok=True)
+    for stale in (out / "kernels").glob("*.py"):
+        stale.unlink()
+    files = [out / "host.py"]
+    files[0].write_text(gen.host)
+    for name, src in gen.kernel_sources().items():
+        p = out / "kernels" / f"{name}.py"
+        p.write_text(src)
+        files.append(p)
+    meta = {n: {"family": k.family, "fn": k.fn, "signature": k.signature(), "constexprs": k.constexprs,
+                "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n)}
+            for n, k in gen.kernels.items()}
+    (out / "kernels.json").write_text(json.dumps({"kernels": meta, "fallbacks": gen.fallbacks}, indent=2))
+    files.append(out / "kernels.json")
+    return files
+
+
+def load_program(out_dir: Path | str, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+                 **options: Any):
+    """Import <out_dir>/host.py and build its Program (allocates buffers once)."""
+    out = Path(out_dir)
+    name = f"portlayer_host_{abs(hash(str(out.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, out / "host.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod.Program(weights, device, kernels_dir=out / "kernels", **options)

@@ -1,0 +1,65 @@
+"""KernelSpec: one rendered Triton kernel plus what is needed to compile and launch it.
+
+The host program launches kernels by name with the arguments of ``params``; the AOT
+tier compiles them from ``signature()`` and ``constexprs`` without a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Flat IR dtype -> Triton pointer element / tl dtype spelling.
+TRITON_DTYPE = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
+    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+}  # fmt: skip
+TL_DTYPE = {
+    "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "int64": "tl.int64",
+    "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
+}  # fmt: skip
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Param:
+    """A kernel argument: ``kind`` is a Triton signature type ('*bf16', 'i32', 'fp32') or 'constexpr'."""
+
+    name: str
+    kind: str
+
+
+@dataclass
+class KernelSpec:
+    """A rendered kernel; ``fn`` names the @triton.jit function inside ``source``."""
+
+    name: str
+    family: str
+    source: str
+    fn: str
+    params: list[Param]
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 1
+    doc: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def signature(self) -> dict[str, str]:
+        return {p.name: p.kind for p in self.params}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:8]
+
+
+def ptr(dtype: str) -> str:
+    return "*" + TRITON_DTYPE[dtype]
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def short_dtype(dtype: str) -> str:
+    return TRITON_DTYPE.get(dtype, dtype)
