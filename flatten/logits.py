@@ -1,0 +1,65 @@
+"""Compute logits only for the rows that are sampled.
+
+A causal LM's captured graph applies ``lm_head`` to every token of the stream. The runtime
+samples one row per sequence (the last prompt token, or the decode token), so a 1,024-token
+prefill on a 151,936-word vocabulary would compute and write ~1,023 logits rows for nothing.
+:func:`select_logit_rows` adds a graph input ``logits_indices: int64[num_seqs]`` and gathers
+those rows of the hidden state right before the vocabulary projection; every op after the
+gather is per-token, so the output simply becomes ``[num_seqs, vocab]``.
+"""
+
+from __future__ import annotations
+
+from portlayer.flatten.ir import Graph, Node, TensorType, Value
+from portlayer.flatten.ops import get_op
+
+LOGITS_INDICES = "logits_indices"
+
+
+def _lm_head(graph: Graph) -> Node | None:
+    """The vocabulary projection: the last linear on the output's producer chain, with only
+    per-token pointwise ops (e.g. Gemma-2's logit softcap) after it."""
+    prod = graph.producers()
+    (out,) = graph.outputs
+    n = prod.get(out)
+    while n is not None and n.op != "linear":
+        if get_op(n.op).kind != "pointwise":
+            return None
+        tensor_ins = [i for i in n.inputs if i is not None and i in prod]
+        if len(tensor_ins) != 1:
+            return None
+        n = prod[tensor_ins[0]]
+    return n
+
+
+def select_logit_rows(graph: Graph) -> Graph:
+    """A copy of ``graph`` whose logits are computed only at ``logits_indices``.
+
+    Graphs that are not causal LMs, or whose output is not reached from a vocabulary
+    projection through per-token ops, are returned unchanged (a copy).
+    """
+    g = graph.copy()
+    if g.meta.get("task") != "causal_lm" or len(g.outputs) != 1 or any(v.name == LOGITS_INDICES for v in g.inputs):
+        return g
+    head = _lm_head(g)
+    if head is None:
+        return g
+    x = head.inputs[0]
+    types = g.value_types()
+    g.inputs.append(Value(LOGITS_INDICES, TensorType("int64", ("num_seqs",))))
+    gather_name = f"{head.name}_rows"
+    gather_t = get_op("index_select").infer([types[x], TensorType("int64", ("num_seqs",))], {"dim": 0})[0]
+    gather = Node(gather_name, "index_select", [x, LOGITS_INDICES], [Value(gather_name, gather_t)], {"dim": 0},
+                  {"source": head.meta.get("source", "lm_head"), "why": "logits only for sampled rows"})
+    start = g.nodes.index(head)
+    g.nodes.insert(start, gather)
+    head.inputs = [gather_name] + head.inputs[1:]
+    types[gather_name] = gather_t
+    for n in g.nodes[start + 1:]:  # re-infer the per-token tail: [num_tokens, V] -> [num_seqs, V]
+        ins = [types[i] if i is not None else None for i in n.inputs]
+        outs = get_op(n.op).infer(ins, n.attrs)
+        n.outputs = [Value(v.name, t) for v, t in zip(n.outputs, outs)]
+        for v in n.outputs:
+            types[v.name] = v.type
+    g.meta["logits_indices"] = True
+    return g
