@@ -129,7 +129,10 @@ def codegen(result: Any, out_dir: Path) -> tuple[list[Path], str, str]:
     """(generated files, backend name, what ran) through the adapter's compile_program if it has one."""
     from portlayer.backends.registry import get_backend
 
-    adapter = get_backend(result.descriptor)
+    try:
+        adapter = get_backend(result.descriptor)
+    except KeyError as e:  # no adapter for this device type installed: the artifact still carries IR + plan
+        return [], result.descriptor.device_type, f"none ({e.args[0]})"
     fn = getattr(adapter, "compile_program", None)
     if fn is None:
         return [], adapter.name, f"none ({type(adapter).__name__} has no compile_program: runs the reference executable)"
