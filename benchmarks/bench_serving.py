@@ -125,7 +125,8 @@ def run_decode(eng: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]
 
     g = torch.Generator().manual_seed(args.seed + batch)
     vocab = int(eng.meta["vocab_size"])
-    sp = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+    # Early-admitted requests decode while later ones prefill: give them room to outlive the timed steps.
+    sp = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     rids = [eng.add_request(torch.randint(0, vocab, (args.decode_context,), generator=g).tolist(), sp)
             for _ in range(batch)]  # fmt: skip
     seqs = [eng.requests[r] for r in rids]
