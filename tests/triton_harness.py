@@ -1,0 +1,101 @@
+"""Shared helpers of the Triton test tiers: build one-op graphs, run generated programs.
+
+A kernel is tested the way it runs in production: its group is rendered, written into a
+generated host program, loaded and run, then compared with the op's reference
+implementation on the same fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# Triton decides interpreted-or-compiled when triton.language is first imported (its own
+# helpers such as tl.sum are @jit functions too), so the interpreter tier must be on before
+# that. The AOT and GPU tiers therefore compile/run in subprocesses with it unset.
+if "triton.language" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from portlayer.flatten.ir import Graph
+
+FP32_TOL = 1e-4
+HALF_TOL = 1e-2
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def tol(dtype: str | torch.dtype) -> float:
+    return FP32_TOL if str(dtype).replace("torch.", "") == "float32" else HALF_TOL
+
+
+def build_program(graph: Graph, tmp: Path, *, groups: list[dict[str, Any]] | None = None, launch=None,
+                  warp_size: int = 32, triton_gemm_max_tokens: int = 0, device: str = "cpu", **options: Any):
+    from portlayer.codegen.host import generate_triton_program
+    from portlayer.codegen.kernels.context import GenContext
+    from portlayer.codegen.program import load_program, write_program
+
+    if groups is not None:
+        graph.meta["kernels"] = groups
+    ctx = GenContext(graph, launch or {}, warp_size=warp_size, compute_units=8,
+                     triton_gemm_max_tokens=triton_gemm_max_tokens)
+    gen = generate_triton_program(graph, ctx, target="test")
+    write_program(gen, tmp)
+    options.setdefault("max_tokens", 64)
+    options.setdefault("max_seqs", 8)
+    return gen, load_program(tmp, graph.weights, device, **options)
+
+
+def reference(graph: Graph, feeds: dict[str, torch.Tensor], meta=None, caches=None) -> list[torch.Tensor]:
+    from portlayer.runtime.executable import ReferenceExecutable
+
+    return ReferenceExecutable(graph).run(feeds, meta, caches)
+
+
+def use_interpreter(monkeypatch) -> None:
+    """Kernels imported while TRITON_INTERPRET=1 run on CPU; skip if Triton came up compiled."""
+    import pytest
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if type(tl.sum).__name__ != "InterpretedFunction":
+        pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run the interpreter "
+                    "tier in its own process: pytest -m interpreter")
+
+
+def paged_setup(num_seqs_ctx: list[tuple[int, int]], hkv: int, d: int, dtype: torch.dtype, block_size: int = 16,
+                num_blocks: int = 32, seed: int = 0):
+    """Metadata and random caches for sequences given as (cached tokens, new tokens).
+
+    Blocks are handed out shuffled, so a kernel that ignores the block table fails.
+    """
+    from portlayer.flatten.op_defs.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    starts, seq_lens, slots, tables = [0], [], [], []
+    width = max(-(-(c + n) // block_size) for c, n in num_seqs_ctx)
+    for cached, new in num_seqs_ctx:
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks + [0] * (width - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        starts.append(starts[-1] + new)
+        seq_lens.append(total)
+    prefills = sum(1 for _, n in num_seqs_ctx if n > 1)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=torch.tensor(tables, dtype=torch.int32),
+        num_prefills=prefills, max_query_len=max(n for _, n in num_seqs_ctx), max_seq_len=max(seq_lens))
+    return meta, k_cache, v_cache
