@@ -322,7 +322,7 @@ def check_device(m: Manifest, devices: list[Any] | None = None) -> Any:
     raise ArtifactError(
         f"artifact {m.path} was compiled for {m.target.get('name')} ({m.target.get('device_type')}, "
         f"arch {want_arch}, codegen {want_codegen}), but no device here matches.\n"
-        f"  expected: a {m.target.get('device_type')} device with arch {want_arch} and codegen {want_codegen}\n"
+        f"  expected: a device with arch {want_arch} and codegen {want_codegen} ({m.target.get('device_type')})\n"
         "  found:    " + "\n            ".join(found or ["no usable device"]) + "\n"
         f"Recompile for this machine: {m.recompile_command(here)}"
     )

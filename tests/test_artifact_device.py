@@ -33,7 +33,7 @@ def test_wrong_device_message_says_expected_found_and_command(h200_artifact: Pat
         check_device(m, [skipped, _cpu()])
     msg = str(e.value)
     assert "compiled for nvidia-h200 (cuda, arch sm_90, codegen triton)" in msg
-    assert "expected: a cuda device with arch sm_90 and codegen triton" in msg
+    assert "expected: a device with arch sm_90 and codegen triton (cuda)" in msg
     assert "cuda: skipped (torch is a CPU-only build)" in msg
     assert "cpu Some CPU (arch x86_64, codegen torch, descriptor cpu-x86_64)" in msg
     assert "portlayer compile '<in-memory graph>' --target cpu-x86_64" in msg
@@ -44,7 +44,7 @@ def test_wrong_device_on_this_machine(h200_artifact: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    with pytest.raises(ArtifactError, match=r"(?s)expected: a cuda device.*Recompile for this machine: portlayer compile"):
+    with pytest.raises(ArtifactError, match=r"(?s)expected: a device with arch sm_90.*Recompile for this machine: portlayer compile"):
         portlayer.load(h200_artifact)
     loaded = portlayer.load(h200_artifact, check_device=False)  # inspecting is still allowed
     assert loaded.plan.target == "nvidia-h200"
