@@ -45,3 +45,19 @@ def test_embed_json_matches_sentence_transformers(minilm_dir, capsys):
     ref = torch.as_tensor(load_model("cpu").encode(texts, convert_to_numpy=True))
     assert torch.nn.functional.cosine_similarity(emb, ref, dim=-1).min() >= 0.99999
     assert "texts embedded" in cap.err
+
+
+def test_run_compiled_artifact_matches_hf(tiny_dirs, tmp_path, capsys):
+    from conftest import hf_model
+
+    import portlayer
+
+    path = tiny_dirs["tiny-qwen3"]
+    art = portlayer.compile(path, target="cpu-x86_64", output=tmp_path / "art", progress=False)
+    capsys.readouterr()
+    assert main(["run", str(art.path), "--prompt-ids", "9,8,7,6,5", "--max-tokens", "8", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = torch.tensor([[9, 8, 7, 6, 5]])
+    ref = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()  # fmt: skip
+    assert out["token_ids"] == ref
