@@ -152,6 +152,12 @@ class Plan:
         """(decision, value, reason) rows for `portlayer explain`."""
         return [(d.name, format_value(d.name, d.value), d.reason) for d in self.decisions]
 
+    def _repr_html_(self) -> str:
+        """Notebook view: the decisions as an HTML table (portlayer.notebook_views)."""
+        from portlayer.notebook_views import plan_html
+
+        return plan_html(self)
+
     def format_table(self) -> str:
         rows = self.table()
         w0 = max(len(r[0]) for r in rows)

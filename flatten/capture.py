@@ -30,6 +30,7 @@ class CaptureError(RuntimeError):
 class SentenceTransformerInfo:
     pooling: str | None  # mean | cls | last
     normalize: bool
+    max_seq_length: int | None = None
 
 
 def _read_sentence_transformer(path: Path) -> SentenceTransformerInfo | None:
@@ -57,7 +58,11 @@ def _read_sentence_transformer(path: Path) -> SentenceTransformerInfo | None:
                     raise CaptureError(f"{cfg_path}: {unsupported} is not supported; use mean, cls or last-token pooling")
         elif kind.endswith("Normalize"):
             normalize = True
-    return SentenceTransformerInfo(pooling, normalize)
+    max_len = None
+    st_cfg = path / "sentence_bert_config.json"
+    if st_cfg.exists():
+        max_len = json.loads(st_cfg.read_text()).get("max_seq_length")
+    return SentenceTransformerInfo(pooling, normalize, int(max_len) if max_len else None)
 
 
 def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -273,4 +278,6 @@ def capture(
         from portlayer.flatten.pooling import append_pooling
 
         graph = append_pooling(graph, st_info.pooling, st_info.normalize)
+        if st_info.max_seq_length:
+            graph.meta["max_seq_length"] = st_info.max_seq_length
     return graph

@@ -9,6 +9,7 @@ live in their own modules. Shapes may hold symbolic dimensions: a dimension is a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,18 +126,31 @@ def normalize_dim(d: Any) -> Dim:
     return str(expr)
 
 
-def eval_dim(d: Dim, bindings: Mapping[str, int]) -> int:
-    """Evaluate a dimension under symbol bindings; raises naming the unbound symbols."""
-    if isinstance(d, int):
-        return d
+@functools.lru_cache(maxsize=4096)
+def _dim_function(d: str) -> tuple[tuple[str, ...], Any]:
+    """Parse a symbolic dim once into (symbol names, a plain Python function of them)."""
     import sympy
 
     expr = sympy.sympify(d)
-    missing = sorted(str(s) for s in expr.free_symbols if str(s) not in bindings)
+    names = tuple(sorted(str(s) for s in expr.free_symbols))
+    return names, sympy.lambdify([sympy.Symbol(n) for n in names], expr, modules="math")
+
+
+def eval_dim(d: Dim, bindings: Mapping[str, int]) -> int:
+    """Evaluate a dimension under symbol bindings; raises naming the unbound symbols.
+
+    Hot in the reference executable (every reshape), so a bare symbol is a dict lookup and
+    expressions are parsed once and evaluated as compiled Python.
+    """
+    if isinstance(d, int):
+        return d
+    if d in bindings:
+        return int(bindings[d])
+    names, fn = _dim_function(d)
+    missing = [n for n in names if n not in bindings]
     if missing:
         raise KeyError(f"dimension {d!r} needs values for symbols {missing}; bound: {dict(bindings)}")
-    value = expr.subs({sympy.Symbol(k): v for k, v in bindings.items()})
-    return int(value)
+    return int(round(fn(*(bindings[n] for n in names))))
 
 
 def dim_symbols(d: Dim) -> set[str]:

@@ -209,6 +209,7 @@ def graph_cost(graph: Graph, bindings: Mapping[str, int] | None = None) -> Cost:
     decode step has; ``bindings`` defaults to one token.
     """
     b = dict(bindings or {"num_tokens": 1})
+    b.setdefault("num_seqs", 1)
     types = graph.value_types()
     total = Cost()
     for n in graph.nodes:
@@ -222,7 +223,9 @@ def node_cost(graph: Graph, node_name: str, bindings: Mapping[str, int] | None =
     types = graph.value_types()
     n = graph.node(node_name)
     ins = [types[i] if i is not None else None for i in n.inputs]
-    return get_op(n.op).cost(ins, [v.type for v in n.outputs], n.attrs, dict(bindings or {"num_tokens": 1}))
+    b = dict(bindings or {"num_tokens": 1})
+    b.setdefault("num_seqs", 1)
+    return get_op(n.op).cost(ins, [v.type for v in n.outputs], n.attrs, b)
 
 
 def itemsize(t: TensorType) -> int:
