@@ -384,6 +384,24 @@ def test_every_op_has_a_case() -> None:
     assert not missing, f"ops without a unit-test case in tests/test_ops.py CASES: {missing}"
 
 
+
+# ---- weight-only quantized linear: reference = x @ (q * scale)^T written out by hand -------------
+_QX = rnd(T, 8)
+_Q8 = rint(-127, 128, 3, 8).to(torch.int8)
+_S8 = rnd(3, 2).abs() + 0.01  # group_size 4 -> 2 groups per row
+_W8 = torch.tensor([[float(_Q8[n, k]) * float(_S8[n, k // 4]) for k in range(8)] for n in range(3)])
+case("linear_wq", "int8-g4", [F32, tt("int8", 3, 8), tt("float32", 3, 2)], [_QX, _Q8, _S8],
+     {"bits": 8, "group_size": 4}, [tt("float32", "num_tokens", 3)],
+     torch.tensor([[sum(float(_QX[t, k]) * float(_W8[n, k]) for k in range(8)) for n in range(3)] for t in range(T)]))
+_Q4 = rint(-8, 8, 3, 8)
+_P4 = torch.tensor([[(int(_Q4[n, 2 * j]) + 8) | ((int(_Q4[n, 2 * j + 1]) + 8) << 4) for j in range(4)] for n in range(3)],
+                   dtype=torch.uint8)  # low nibble = even column, each nibble q + 8
+_S4 = rnd(3, 1).abs() + 0.01  # per-channel (group_size = K)
+case("linear_wq", "int4-packed", [F32, tt("uint8", 3, 4), tt("float32", 3, 1)], [_QX, _P4, _S4],
+     {"bits": 4, "group_size": 8}, [tt("float32", "num_tokens", 3)],
+     torch.tensor([[sum(float(_QX[t, k]) * float(_Q4[n, k]) * float(_S4[n, 0]) for k in range(8)) for n in range(3)]
+                   for t in range(T)]), atol=1e-4)
+
 @pytest.mark.parametrize(
     "c",
     [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c.id])] if c.id in XFAIL else [])
