@@ -19,6 +19,7 @@ if "triton.language" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+
 from portlayer.flatten.ir import Graph
 
 FP32_TOL = 1e-4
