@@ -172,6 +172,9 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
             graph = capture(src.obj, progress=say)
         else:
             graph = capture_cached(src.path, src.sha256, say)
+        from portlayer.flatten.logits import select_logit_rows
+
+        graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows
     overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"])) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")

@@ -142,8 +142,10 @@ class LLMEngine:
     def from_graph(cls, graph: Any, *, device: str = "cpu", **kwargs: Any) -> LLMEngine:
         from portlayer.backends.registry import get_backend
         from portlayer.capabilities.policy import plan_for_graph
+        from portlayer.flatten.logits import select_logit_rows
         from portlayer.runtime.executable import ReferenceExecutable
 
+        graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows
         exe = ReferenceExecutable(graph, device=device)
         backend = kwargs.pop("backend", None) or get_backend(exe.device.type)
         plan = kwargs.pop("plan", None) or plan_for_graph(graph, backend.descriptor)

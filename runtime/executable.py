@@ -15,6 +15,9 @@ from portlayer.flatten.op_defs.attention import AttentionMetadata
 class Executable(Protocol):
     device: torch.device
     dtype: torch.dtype
+    #: graph inputs the program reads; "logits_indices" among them means the program
+    #: computes logits only for those stream rows (flatten/logits.py)
+    input_names: tuple[str, ...]
 
     def run(
         self,
@@ -31,6 +34,7 @@ class ReferenceExecutable:
         from portlayer.flatten.ir import torch_dtype
 
         self.graph = graph
+        self.input_names = tuple(v.name for v in graph.inputs)
         self.device = torch.device(device)
         floats = [t.dtype for t in graph.params.values() if t.dtype.startswith(("float", "bfloat"))]
         self.dtype = torch_dtype(floats[0]) if floats else torch.float32

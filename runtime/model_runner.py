@@ -7,10 +7,9 @@ and the padded block tables, prefills first. It talks to the program only throug
 ``Executable`` interface, so the reference executable and generated host programs are
 interchangeable.
 
-Logits: the captured graph computes ``lm_head`` for every token and the runner keeps the
-last row of each sequence that is due a token. Gathering those rows *before* ``lm_head``
-would save (num_tokens - num_seqs) x hidden x vocab FLOPs in a prefill; that is a graph
-change (a ``logits_indices`` input) left to the passes.
+Logits: when the program takes a ``logits_indices`` input (flatten/logits.py adds it to
+causal LMs at compile time) the runner passes the last row of each sequence that is due a
+token, and ``lm_head`` runs on those rows only; otherwise it picks them from full logits.
 """
 
 from __future__ import annotations
@@ -79,8 +78,13 @@ class ModelRunner:
     def execute(self, items: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; return the sequences due a token and their logits rows ([n, vocab])."""
         feeds, meta, rows = self.prepare(items)
+        selects = "logits_indices" in getattr(self.executable, "input_names", ())
+        if selects:  # the program computes lm_head only for these rows (one dummy row if none is due)
+            feeds["logits_indices"] = torch.tensor(rows or [0], dtype=torch.int64, device=self.device)
         logits = self.executable.run(feeds, meta, self.kv_caches)[0]
         due = [seq for seq, n in items if seq.num_computed_tokens + n == seq.num_tokens]
+        if selects:
+            return due, logits[: len(rows)]
         if len(rows) == logits.shape[0]:
             return due, logits
         return due, logits[torch.tensor(rows, device=logits.device)]
