@@ -1,0 +1,118 @@
+"""fuse: kernel groups per docs/contracts.md, legality vs priority, limits from the plan."""
+
+from __future__ import annotations
+
+import warnings
+
+from passes_samples import LAYER, ctx_for, keep_meta
+
+from portlayer.flatten.printer import canonical_text, parse_graph, print_graph
+from portlayer.passes.fuse import fuse
+from portlayer.passes.pipeline import run_pipeline
+from portlayer.passes.select import select
+
+H200_AFTER = """
+def forward(input_ids: int64[num_tokens], positions: int64[num_tokens]):
+    h = embedding(emb, input_ids)  # float16[num_tokens, 64]  meta={'kernel': 'k000_h'}
+    x = rms_norm(h, ln)  # float16[num_tokens, 64]  meta={'kernel': 'k001_x'}
+    q = linear(x, wq, None)  # float16[num_tokens, 64]  meta={'kernel': 'k002_q'}
+    qh = reshape(q, shape=['num_tokens', 2, 32])  # float16[num_tokens, 2, 32]  meta={'kernel': 'k002_q'}
+    k = linear(x, wk, None)  # float16[num_tokens, 32]  meta={'kernel': 'k003_k'}
+    kh = reshape(k, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k003_k'}
+    v = linear(x, wv, None)  # float16[num_tokens, 32]  meta={'kernel': 'k004_v'}
+    vh = reshape(v, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k004_v'}
+    qr = rope(qh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k005_qr'}
+    kr = rope(kh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 1, 32]  meta={'kernel': 'k005_qr'}
+    a = attention(qr, kr, vh, num_heads=2, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k006_a'}
+    a2 = reshape(a, shape=['num_tokens', 64])  # float16[num_tokens, 64]  meta={'kernel': 'k006_a'}
+    o = linear(a2, wo, None)  # float16[num_tokens, 64]  meta={'kernel': 'k007_o'}
+    r = add(h, o)  # float16[num_tokens, 64]  meta={'kernel': 'k008_y'}
+    y = rms_norm(r, ln2)  # float16[num_tokens, 64]  meta={'kernel': 'k008_y'}
+    up = linear(y, wu, None)  # float16[num_tokens, 128]  meta={'kernel': 'k009_up'}
+    gate = linear(y, wg, None)  # float16[num_tokens, 128]  meta={'kernel': 'k010_gate'}
+    act = silu(gate)  # float16[num_tokens, 128]  meta={'kernel': 'k010_gate'}
+    m = mul(act, up)  # float16[num_tokens, 128]  meta={'kernel': 'k010_gate'}
+    return m
+"""
+
+
+def _params() -> str:
+    return LAYER.split("h = embedding")[0].split("):", 1)[1]
+
+
+def _canon(after: str) -> str:
+    head, body = after.split("):", 1)
+    return canonical_text(head + "):" + _params() + body.split("\n", 1)[1], show_meta=True)
+
+
+def _fused(text: str, target: str, **options):
+    g = parse_graph(text)
+    ctx = ctx_for(g, target, **options)
+    return fuse(select(g, ctx), ctx)
+
+
+def test_fuse_h200_ir_text_and_kernel_records():
+    out = _fused(LAYER, "nvidia-h200")
+    assert print_graph(keep_meta(out, ("kernel",)), show_meta=True) == _canon(H200_AFTER)
+    ks = {k["name"]: k for k in out.meta["kernels"]}
+    assert ks["k008_y"] == {"name": "k008_y", "family": "reduction", "impl": "triton.fused_add_rms_norm",
+                            "nodes": ["r", "y"], "inputs": ["h", "o", "ln2"], "outputs": ["y"]}
+    assert ks["k010_gate"]["family"] == "gemm" and ks["k010_gate"]["epilogue"] == ["act", "m"]
+    assert ks["k005_qr"]["family"] == "rope" and ks["k005_qr"]["nodes"] == ["qr", "kr"]
+    assert ks["k002_q"]["outputs"] == ["qh"]
+    # legality, not priority, refused the residual add as a GEMM epilogue
+    assert "residual" in out.meta["fusion"]["refused"]["o+r"]
+
+
+def test_fuse_respects_max_fused_inputs():
+    out = _fused(LAYER, "nvidia-h200", max_fused_inputs=2)
+    ks = {k["name"]: k for k in out.meta["kernels"]}
+    assert all(len(k["inputs"]) <= 2 for k in ks.values() if len(k["nodes"]) > 1 and k["family"] != "attention")
+    assert any("max_fused_inputs=2" in why for why in out.meta["fusion"]["refused"].values())
+
+
+def test_fuse_ascend_vendor_groups_are_sealed():
+    out = _fused(LAYER, "ascend-910b")
+    ks = {k["impl"]: k for k in out.meta["kernels"]}
+    assert ks["cann.npu_add_rms_norm"]["family"] == "vendor" and ks["cann.npu_add_rms_norm"]["nodes"] == ["r", "y"]
+    assert ks["cann.npu_mrope"]["nodes"] == ["qr", "kr"]
+    # aclnn calls are single kernels: silu and mul stay apart
+    assert [k["nodes"] for k in out.meta["kernels"] if k["impl"] == "cann.elementwise"] == [["act"], ["m"]]
+
+
+def test_fuse_cpu_torch_ops_stay_single():
+    out = _fused(LAYER, "cpu-x86_64")
+    for k in out.meta["kernels"]:
+        assert len([n for n in k["nodes"] if n not in ("qh", "kh", "vh", "a2")]) == 1
+
+
+def _check_contract(graph) -> None:
+    ks = graph.meta["kernels"]
+    seen = [n for k in ks for n in k["nodes"]]
+    assert seen == [n.name for n in graph.nodes]  # every node in exactly one kernel, kernels contiguous, in order
+    for k in ks:
+        assert set(k) >= {"name", "family", "impl", "nodes", "inputs", "outputs"}
+        assert k["family"] in ("pointwise", "reduction", "rope", "gemm", "attention", "embedding", "view", "pooling",
+                               "vendor")
+        assert all(graph.node(n).meta["kernel"] == k["name"] for n in k["nodes"])
+
+
+def test_tiny_qwen3_h200_fusion_ratio(captured):
+    res = run_pipeline(captured["tiny-qwen3"], "nvidia-h200")
+    before = dict(res.history)["select"]["nodes_after"]
+    kernels = len(res.graph.meta["kernels"])
+    assert kernels <= 0.55 * before, (kernels, before)
+    _check_contract(res.graph)
+    impls = {k["impl"] for k in res.graph.meta["kernels"]}
+    assert {"triton.fused_add_rms_norm", "triton.qk_norm_rope", "triton.gemm"} <= impls
+
+
+def test_gpt2_bias_activation_epilogue_and_bert(captured):
+    res = run_pipeline(captured["tiny-gpt2"], "nvidia-h200")
+    _check_contract(res.graph)
+    gelu_k = next(k for k in res.graph.meta["kernels"] if any("gelu" in n for n in k["nodes"]))
+    assert gelu_k["family"] == "gemm" and gelu_k["epilogue"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for target in ("amd-mi300x", "ascend-910b", "cpu-x86_64"):
+            _check_contract(run_pipeline(captured["tiny-bert"], target).graph)
