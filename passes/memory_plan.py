@@ -120,7 +120,7 @@ def memory_plan(graph: Graph, ctx: PassContext) -> Graph:
         bufs[b]["end"] = len(kernels)
     bufs = dict(sorted(bufs.items(), key=lambda kv: kv[1]["start"]))
     taken: set[str] = set()
-    for b, info in bufs.items():
+    for _b, info in bufs.items():
         k = kernels[info["start"]]
         if not _inplace_ok(g, k, nodes):
             continue
