@@ -1,4 +1,6 @@
-"""The CUDA adapter (NVIDIA through torch.cuda); ROCm builds get their own adapter later."""
+"""The CUDA adapter (NVIDIA through torch.cuda): memory, sync, graph capture, and the
+Triton program: compile_program renders kernels + host program, load_program imports them
+(Triton's JIT cache under portlayer's cache dir)."""
 
 from __future__ import annotations
 
@@ -59,3 +61,19 @@ class CUDAAdapter(BackendAdapter):
 
     def supports_graph_capture(self) -> bool:
         return self.descriptor.has("graph_capture") and hasattr(torch.cuda, "CUDAGraph")
+
+    # ---- the program ---------------------------------------------------------------
+    def compile_program(self, result, out_dir) -> list:
+        """Generated Triton kernels and host program for a PipelineResult, written to out_dir."""
+        from portlayer.codegen.triton_backend import compile_program
+
+        return compile_program(result, out_dir, self.descriptor)
+
+    def load_program(self, artifact_dir, weights, plan=None, **options):
+        """The Executable (runtime/executable.py) for a compiled artifact on this device."""
+        from portlayer.codegen.triton_backend import load_program
+
+        self._require()
+        if not self.supports_graph_capture():
+            options["use_graphs"] = False
+        return load_program(artifact_dir, weights, self.torch_device, plan, **options)

@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 #: arch -> largest token count at which the Triton GEMM beat torch.mm (measured; see docs/gpu.md).
-MEASURED_MAX_TOKENS: dict[str, int] = {}
+#: sm_90 (H200, bf16, Qwen3-0.6B shapes, T in 1..2048): torch.mm won or tied everywhere
+#: (Triton/mm time 1.2-2.1x for q/gate/down at every T; lm_head tied at T <= 64, lost above),
+#: so the rule is 0: always the vendor GEMM. Re-measure when the GEMM template changes.
+MEASURED_MAX_TOKENS: dict[str, int] = {"sm_90": 0}
 
 
 def triton_gemm_max_tokens(descriptor: Any) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from portlayer.codegen.buffers import plan_buffers
 from portlayer.codegen.expr import Unsupported
-from portlayer.codegen.groups import kernel_groups
+from portlayer.codegen.groups import default_groups, group_record, kernel_groups
 from portlayer.codegen.kernels.attention import build_attention
 from portlayer.codegen.kernels.context import GenContext, GroupCode, host_dim
 from portlayer.codegen.kernels.embedding import build_embedding
@@ -60,15 +60,7 @@ def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
     out = GeneratedProgram(host="")
     codes: list[tuple[dict[str, Any], GroupCode]] = []
     for g in groups:
-        builder = BUILDERS.get(g["family"])
-        try:
-            code = builder(ctx, g) if builder and g.get("impl_family", "triton") != "torch" else None
-        except Unsupported as e:
-            code, reason = None, str(e)
-            out.fallbacks.append((g["name"], reason))
-        if code is None:
-            code = build_reference(ctx, g, reason=f"family {g['family']}" if builder is None else "")
-        codes.append((g, code))
+        codes += _realise(graph, ctx, g, out)
     aliases: dict[str, str] = {}
     for g, _ in codes:
         if g["family"] == "view":
@@ -101,6 +93,36 @@ def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
     )
     out.host = host
     return out
+
+
+def _build(ctx: GenContext, g: dict[str, Any]) -> GroupCode:
+    builder = BUILDERS.get(g["family"])
+    if builder is None or g.get("impl_family", "triton") == "torch":
+        raise Unsupported(f"no Triton template for family {g['family']!r}")
+    try:
+        return builder(ctx, g)
+    except ValueError as e:  # a builder's shape expectations (e.g. one node) not met
+        raise Unsupported(f"{g['family']} template does not take {g['nodes']}: {e}") from e
+
+
+def _realise(graph: Graph, ctx: GenContext, g: dict[str, Any], out: GeneratedProgram):
+    """Build a group; a fused group no template takes whole (e.g. the fuse pass's
+    q/k-norm + rope, or a GEMM with a trailing reshape) is split into default groups, and
+    only what no template takes runs as the reference op (recorded in ``out.fallbacks``)."""
+    try:
+        return [(g, _build(ctx, g))]
+    except Unsupported as e:
+        whole_reason = str(e)
+    if len(g["nodes"]) > 1:
+        names = set(g["nodes"])
+        sub = Graph(inputs=graph.inputs, params=graph.params, nodes=[n for n in graph.nodes if n.name in names],
+                    outputs=list(g["outputs"]), meta=graph.meta)
+        parts = [group_record(graph, p["nodes"], p["family"], name=p["name"]) for p in default_groups(sub)]
+        if len(parts) > 1:
+            return [pair for p in parts for pair in _realise(graph, ctx, p, out)]
+    if g["family"] not in ("view", "torch", "pooling"):
+        out.fallbacks.append((g["name"], whole_reason))
+    return [(g, build_reference(ctx, g, reason=whole_reason))]
 
 
 def generate_torch_program(graph: Graph, *, target: str = "cpu") -> GeneratedProgram:

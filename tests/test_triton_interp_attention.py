@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from portlayer.flatten.ir import GraphBuilder, TensorType
-
 from triton_harness import build_program, paged_setup, reference, rel_err, tol, use_interpreter
+
+from portlayer.flatten.ir import GraphBuilder, TensorType
 
 pytestmark = pytest.mark.interpreter
 

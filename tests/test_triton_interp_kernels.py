@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_harness import build_program, reference, rel_err, tol, use_interpreter
+
 from portlayer.codegen.groups import group_record
 from portlayer.flatten.ir import GraphBuilder, TensorType
-
-from triton_harness import build_program, reference, rel_err, tol, use_interpreter
 
 pytestmark = pytest.mark.interpreter
 DTYPES = [torch.float32, torch.float16]
