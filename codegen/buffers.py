@@ -28,14 +28,20 @@ class Buffer:
     offset: str  # host expression in T (evaluated with T = max_tokens)
 
 
+def in_arena(t: TensorType, token_symbol: str = "num_tokens") -> bool:
+    """Arena buffers are [num_tokens, static...]; others (e.g. [num_seqs, vocab]) are allocated per step."""
+    return bool(t.shape) and t.shape[0] == token_symbol and all(isinstance(d, int) for d in t.shape[1:])
+
+
 def plan_buffers(types: dict[str, TensorType], written: list[list[str]], reads: list[list[str]],
                  aliases: dict[str, str], outputs: list[str], memory_plan: dict[str, Any] | None = None,
                  token_symbol: str = "num_tokens") -> tuple[list[Buffer], str]:
-    """Buffers for the values each group writes; returns them and the arena size expression."""
+    """Arena buffers for the values each group writes; returns them and the arena size expression."""
     life: dict[str, list[int]] = {}
     for gi, vals in enumerate(written):
         for v in vals:
-            life.setdefault(v, [gi, gi])
+            if in_arena(types[v], token_symbol):
+                life.setdefault(v, [gi, gi])
     for gi, vals in enumerate(reads):
         for v in vals:
             root = aliases.get(v, v)

@@ -72,6 +72,7 @@ def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
     reads = [[i for i in g["inputs"]] for g, _ in codes]
     bufs, arena = plan_buffers(ctx.types, written, reads, aliases, list(graph.outputs), graph.meta.get("memory_plan"),
                                graph.meta.get("token_symbol", "num_tokens"))
+    arena_values = {b.value for b in bufs}
     params = set(graph.params)
     rendered_groups = []
     scratch = (0, 0)
@@ -81,7 +82,7 @@ def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
             if "scratch" in k.extra:
                 hq, splits, bd = k.extra["scratch"]
                 scratch = (max(scratch[0], hq * splits * bd), max(scratch[1], hq * splits))
-        binds = [f"{v} = B.{v}" for v in code.buffers]
+        binds = [f"{v} = B.{v}" if v in arena_values else _alloc(v, ctx) for v in code.buffers]
         title = f"{g['name']}: {g['family']} [{', '.join(ctx.nodes[n].op for n in g['nodes'])}]"
         rendered_groups.append({"title": title, "lines": binds + _weights_prefixed(code.lines, params)})
     host = render(
@@ -93,6 +94,13 @@ def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
     )
     out.host = host
     return out
+
+
+def _alloc(value: str, ctx: GenContext) -> str:
+    """A value outside the arena (not [num_tokens, ...]): allocated in the step."""
+    t = ctx.types[value]
+    shape = ", ".join(host_dim(d) for d in t.shape)
+    return f"{value} = torch.empty(({shape},), dtype=torch.{t.dtype}, device=self.device)  # not per-token: per step"
 
 
 def _build(ctx: GenContext, g: dict[str, Any]) -> GroupCode:

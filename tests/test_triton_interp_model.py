@@ -81,3 +81,24 @@ def test_program_from_the_pass_pipeline(captured, tmp_path):
                              1, 6, 6)
     feeds = {"input_ids": torch.randint(0, 256, (7,)), "positions": torch.tensor([0, 1, 2, 3, 4, 5, 0])}
     assert rel_err(prog.run(feeds, meta, mine)[0], ReferenceExecutable(graph).run(feeds, meta, theirs)[0]) < 1e-4
+
+
+@pytest.mark.parametrize("triton_gemm", [False, True])
+def test_sampled_logit_rows(captured, tmp_path, triton_gemm):
+    """With select_logit_rows (logits only for the rows the sampler reads, [num_seqs, vocab]),
+    the program still matches the reference; the lm_head GEMM runs over num_seqs rows."""
+    from portlayer.flatten.logits import select_logit_rows
+    from portlayer.flatten.op_defs.attention import AttentionMetadata
+    from portlayer.runtime.executable import ReferenceExecutable
+
+    from triton_harness import build_program
+
+    graph = select_logit_rows(captured["tiny-qwen3"])
+    _, prog = build_program(graph, tmp_path, triton_gemm_max_tokens=(1 << 30) if triton_gemm else 0)
+    meta = AttentionMetadata.from_lens([4, 3])
+    feeds = {"input_ids": torch.randint(0, 256, (7,)), "positions": torch.tensor([0, 1, 2, 3, 0, 1, 2]),
+             "logits_indices": torch.tensor([3, 6])}
+    feeds = {v.name: feeds[v.name] for v in graph.inputs}
+    ours = prog.run(feeds, meta, None)[0]
+    want = ReferenceExecutable(graph).run(feeds, meta, None)[0]
+    assert ours.shape == want.shape and rel_err(ours, want) < 1e-4

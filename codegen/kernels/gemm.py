@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
-from portlayer.codegen.kernels.context import GenContext, GroupCode, dot_args, make_kernel, round_dtype
+from portlayer.codegen.kernels.context import (
+    GenContext,
+    GroupCode,
+    dot_args,
+    host_numel,
+    make_kernel,
+    round_dtype,
+)
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.spec import Param, ptr, short_dtype
 
@@ -79,13 +86,14 @@ def build_gemm(ctx: GenContext, group: dict[str, Any]) -> GroupCode:
     spec, args, const, cfg = build_gemm_kernel(ctx, group)
     code.kernels.append(spec)
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c != "BLOCK_M")
-    grid = f"(triton.cdiv(T, bm) * triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
-    triton_line = (f"K.{spec.name}[{grid}]({', '.join(args)}, T, BLOCK_M=bm, {consts}, "
+    m = host_numel(ctx.types[x].shape[:-1])  # T, or S for per-sequence rows (e.g. sampled logits)
+    grid = f"(triton.cdiv({m}, bm) * triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
+    triton_line = (f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, {consts}, "
                    f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})")
-    pre = f"bm = gemm_block_m(T, {const['BLOCK_M']})"
+    pre = f"bm = gemm_block_m({m}, {const['BLOCK_M']})"
     if limit >= 1 << 30:
         code.lines = [pre, triton_line]
     else:
-        code.lines = [f"if T <= {limit}:  # gemm_rule: the Triton GEMM wins at few tokens",
+        code.lines = [f"if {m} <= {limit}:  # gemm_rule: the Triton GEMM wins at few rows",
                       f"    {pre}", f"    {triton_line}", "else:"] + [f"    {v}" for v in vendor]
     return code
