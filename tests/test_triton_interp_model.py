@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_harness import rel_err, use_interpreter
+from triton_harness import build_program, rel_err, use_interpreter
 
 pytestmark = pytest.mark.interpreter
 
@@ -90,8 +90,6 @@ def test_sampled_logit_rows(captured, tmp_path, triton_gemm):
     from portlayer.flatten.logits import select_logit_rows
     from portlayer.flatten.op_defs.attention import AttentionMetadata
     from portlayer.runtime.executable import ReferenceExecutable
-
-    from triton_harness import build_program
 
     graph = select_logit_rows(captured["tiny-qwen3"])
     _, prog = build_program(graph, tmp_path, triton_gemm_max_tokens=(1 << 30) if triton_gemm else 0)
