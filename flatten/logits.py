@@ -63,3 +63,14 @@ def select_logit_rows(graph: Graph) -> Graph:
             types[v.name] = v.type
     g.meta["logits_indices"] = True
     return g
+
+
+def feed_last_rows(feeds: dict, input_names, attn_metadata) -> dict:
+    """Add ``logits_indices`` = the last stream row of every sequence, when the program takes it.
+
+    ``input_names``: the program's (or graph's) input names. Used by validation and the
+    benchmark; the runtime passes exactly the rows it samples instead.
+    """
+    if LOGITS_INDICES in set(input_names):
+        feeds[LOGITS_INDICES] = (attn_metadata.query_start_loc[1:].long() - 1).to(feeds["input_ids"].device)
+    return feeds

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from portlayer.flatten.ir import Graph
-from portlayer.flatten.logits import LOGITS_INDICES
+from portlayer.flatten.logits import feed_last_rows
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 
 FORMAT = "portlayer.validation"
@@ -137,8 +137,7 @@ def run_case(executable: Any, graph: Graph, case: Case, block_size: int) -> list
     for s in case.steps:
         md = step_metadata(s.lens, s.context, block_size=block_size if case.paged else None, max_len=limit, device=dev)
         feeds = {"input_ids": s.input_ids.to(dev), "positions": s.positions.to(dev)}
-        if any(v.name == LOGITS_INDICES for v in graph.inputs):  # last token of each sequence
-            feeds[LOGITS_INDICES] = (md.query_start_loc[1:].long() - 1).to(dev)
+        feed_last_rows(feeds, [v.name for v in graph.inputs], md)
         outs.append([o.detach() for o in executable.run(feeds, md, caches)])
     return outs
 
