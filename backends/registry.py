@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from portlayer.capabilities.descriptor import Descriptor
 
 ENTRY_POINT_GROUP = "portlayer.backends"
-BUILTIN_MODULES = ("portlayer.backends.cpu", "portlayer.backends.cuda")
+BUILTIN_MODULES = ("portlayer.backends.cpu", "portlayer.backends.cuda", "portlayer.backends.rocm", "portlayer.backends.xpu")
 
 _REGISTRY: dict[str, type[BackendAdapter]] = {}
 _ORIGINS: dict[str, str] = {}
