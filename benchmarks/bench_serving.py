@@ -58,6 +58,20 @@ def make_engine(args: argparse.Namespace, timings: dict[str, float]) -> tuple[An
     if args.max_batched_tokens:
         kw["max_batched_tokens"] = args.max_batched_tokens
     t0 = time.perf_counter()
+    if args.compile_target and not args.artifact:  # compile the synthetic model: capture -> passes -> codegen
+        import tempfile
+
+        import portlayer
+
+        model = build_model(args.layers, args.vocab, args.seed)
+        timings["build_model_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "artifact")
+        portlayer.compile(model, target=args.compile_target, output=out, progress=False)
+        timings["compile_s"] = time.perf_counter() - t0
+        del model
+        args.artifact = out
+        t0 = time.perf_counter()
     if args.artifact:
         eng = LLMEngine.from_artifact(args.artifact, **kw)
         timings["load_s"] = time.perf_counter() - t0
@@ -151,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--artifact", default=None, help="compiled artifact directory (its generated program is used)")
+    p.add_argument("--compile-target", default=None,
+                   help="compile the synthetic model for this descriptor (name, 'auto' or path) and serve the generated program")
     p.add_argument("--descriptor", default=None, help="descriptor for the plan (default: the backend's probed one)")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--vocab", type=int, default=151936)
