@@ -49,3 +49,16 @@ class CPUAdapter(BackendAdapter):
 
     def supports_graph_capture(self) -> bool:
         return False
+
+    def compile_program(self, result, out_dir) -> list:
+        """The generated torch host program (reference-op calls in kernel order) for a PipelineResult."""
+        from portlayer.codegen.program import generate, write_program
+
+        gen = generate(result.graph, getattr(result, "plan", None), getattr(result, "descriptor", None) or self.descriptor)
+        return write_program(gen, out_dir)
+
+    def load_program(self, artifact_dir, weights, plan=None, **options):
+        """The Executable of a compiled artifact: its generated host program, run with torch on the CPU."""
+        from portlayer.codegen.program import load_program
+
+        return load_program(artifact_dir, weights, "cpu")

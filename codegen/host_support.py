@@ -115,6 +115,11 @@ class HostProgram:
     PARAM_DTYPES: dict[str, str] = {}
     MAX_POSITIONS = 4096
 
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The Executable interface's declaration of the graph inputs this program reads."""
+        return self.INPUTS
+
     def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", *,
                  kernels_dir: Path | str | None = None, max_tokens: int = 2048, max_seqs: int = 256,
                  capture_sizes: Sequence[int] = (), use_graphs: bool = True) -> None:

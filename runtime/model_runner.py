@@ -8,8 +8,9 @@ and the padded block tables, prefills first. It talks to the program only throug
 interchangeable.
 
 Logits: when the program takes a ``logits_indices`` input (flatten/logits.py adds it to
-causal LMs at compile time) the runner passes the last row of each sequence that is due a
-token, and ``lm_head`` runs on those rows only; otherwise it picks them from full logits.
+causal LMs at compile time) the runner passes the last stream row of every sequence in the
+step, so ``lm_head`` runs on num_seqs rows instead of num_tokens, and keeps the rows of the
+sequences due a token; otherwise it picks those rows from full logits.
 """
 
 from __future__ import annotations
@@ -79,12 +80,15 @@ class ModelRunner:
         """Run one step; return the sequences due a token and their logits rows ([n, vocab])."""
         feeds, meta, rows = self.prepare(items)
         selects = "logits_indices" in getattr(self.executable, "input_names", ())
-        if selects:  # the program computes lm_head only for these rows (one dummy row if none is due)
-            feeds["logits_indices"] = torch.tensor(rows or [0], dtype=torch.int64, device=self.device)
+        if selects:  # lm_head runs on the last row of every sequence of the step (num_seqs rows)
+            feeds["logits_indices"] = meta.query_start_loc[1:].long() - 1
         logits = self.executable.run(feeds, meta, self.kv_caches)[0]
-        due = [seq for seq, n in items if seq.num_computed_tokens + n == seq.num_tokens]
+        due_idx = [i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens]
+        due = [items[i][0] for i in due_idx]
         if selects:
-            return due, logits[: len(rows)]
+            if len(due_idx) == logits.shape[0]:
+                return due, logits
+            return due, logits[torch.tensor(due_idx, device=logits.device)]
         if len(rows) == logits.shape[0]:
             return due, logits
         return due, logits[torch.tensor(rows, device=logits.device)]
