@@ -66,7 +66,7 @@ def make_engine(args: argparse.Namespace, timings: dict[str, float]) -> tuple[An
         model = build_model(args.layers, args.vocab, args.seed)
         timings["build_model_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "artifact")
+        out = args.artifact_out or os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "artifact")
         portlayer.compile(model, target=args.compile_target, output=out, progress=False)
         timings["compile_s"] = time.perf_counter() - t0
         del model
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", default=None, help="compiled artifact directory (its generated program is used)")
     p.add_argument("--compile-target", default=None,
                    help="compile the synthetic model for this descriptor (name, 'auto' or path) and serve the generated program")
+    p.add_argument("--artifact-out", default=None, help="with --compile-target: write the artifact here (to validate it later)")
     p.add_argument("--descriptor", default=None, help="descriptor for the plan (default: the backend's probed one)")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--vocab", type=int, default=151936)
