@@ -29,6 +29,11 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bootstrap import bootstrap  # noqa: E402
+
+bootstrap()  # `import portlayer` from a plain checkout (the GPU machine has no install)
+
 
 def build_model(layers: int, vocab: int, seed: int) -> torch.nn.Module:
     """Qwen3-0.6B's shape with seeded random bf16 weights (nothing downloaded)."""
@@ -148,6 +153,12 @@ def run_decode(eng: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]
         eng.step()
     eng.step()  # one untimed decode (warm-up of this batch shape)
     sync(eng.executable.device)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
         batch_now = eng.scheduler.running
@@ -155,6 +166,14 @@ def run_decode(eng: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]
         eng.step()
     sync(eng.executable.device)
     dt = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        print(f"[bench] profile of {args.decode_steps} decode steps at batch {batch}:\n{buf.getvalue()}", file=sys.stderr)
     for r in rids:
         eng.abort(r)
     return {"batch": batch, "context": args.decode_context, "steps": args.decode_steps,
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a cProfile of the timed decode steps (host overhead)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
 

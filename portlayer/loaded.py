@@ -63,8 +63,8 @@ class LoadedArtifact:
         if self.manifest.raw.get("codegen", {}).get("generated"):
             adapter = get_backend(self.descriptor, index=max(self.device.index, 0))
             loader = getattr(adapter, "load_program", None)
-            if loader is not None:
-                return loader(self.path, graph.weights)
+            if loader is not None:  # the Plan sizes its buffers and picks its CUDA-graph batch sizes
+                return loader(self.path, graph.weights, plan=self.plan)
         return ReferenceExecutable(graph, device=self.torch_device)
 
     # ---- validation ----------------------------------------------------------------------
