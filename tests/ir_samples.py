@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from portlayer.flatten.ir import Graph, GraphBuilder, TensorType
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, FFN, MAX_POS = 16, 4, 2, 4, 32, 24, 64

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from ir_samples import tiny_decoder
+
 from portlayer.flatten.notebook import graph_dot, graph_html, graph_svg, layered_svg
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+
 from portlayer.flatten.ir import TensorType
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.flatten.ops import get_op

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ir_samples import tiny_decoder
+
 from portlayer.flatten import ops
 from portlayer.flatten.ir import Graph, GraphBuilder, Node, TensorType, Value
 from portlayer.flatten.ops import OpDef

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from ir_samples import tiny_decoder
+from safetensors import safe_open
+
 from portlayer.flatten.ir import GraphBuilder, TensorType
 from portlayer.flatten.printer import print_graph
 from portlayer.flatten.serialize import (
@@ -19,7 +21,6 @@ from portlayer.flatten.serialize import (
     save_graph,
 )
 from portlayer.flatten.verify import verify_graph
-from safetensors import safe_open
 
 
 def test_round_trip_printout_and_tensors(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from ir_samples import tiny_decoder
+
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.printer import parse_graph
 from portlayer.flatten.verify import VerificationError, verify_graph
