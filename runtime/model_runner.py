@@ -88,10 +88,10 @@ class ModelRunner:
         if selects:
             if len(due_idx) == logits.shape[0]:
                 return due, logits
-            return due, logits[torch.tensor(due_idx, device=logits.device)]
+            return due, logits[torch.tensor(due_idx, dtype=torch.long, device=logits.device)]
         if len(rows) == logits.shape[0]:
             return due, logits
-        return due, logits[torch.tensor(rows, device=logits.device)]
+        return due, logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     @torch.inference_mode()
     def embed(self, token_lists: Seq[Seq[int]], pooled: bool) -> torch.Tensor:

@@ -214,3 +214,15 @@ def test_seeded_sampling_is_independent_of_batch(setups):
     other = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
     batched = engine(graph, seed=99).generate(_prompts()[:4], [other, other, other, sp])[3].token_ids
     assert alone == batched and len(alone) == 12
+
+
+def test_single_long_prompt_chunked_steps_with_nothing_due(setups):
+    """One 200-token prompt in chunks of 16: twelve steps sample nothing (the program still
+    computes lm_head rows for the step's sequences); the tokens still equal HF's."""
+    graph, ref = setups["tiny-qwen3"]
+    eng = engine(graph, prefill_chunk_size=16, max_batched_tokens=16)
+    assert "logits_indices" in eng.executable.input_names  # the row-selecting program is what runs
+    p = _prompts()[-1]
+    (out,) = eng.generate([p], GREEDY)
+    assert out.token_ids == ref[tuple(p)]
+    assert eng.stats["steps"] >= 13 + NEW - 1
