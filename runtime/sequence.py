@@ -117,33 +117,59 @@ class Sequence:
         return None
 
 
-@dataclass
 class RequestOutput:
-    """What a caller sees of a request: all tokens so far, plus the ones new since last time."""
+    """What a caller sees of a request: all tokens so far, plus the ones new since last time.
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    text: str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
+    Built every step for every sequence that got a token, so it copies nothing eagerly:
+    ``prompt_token_ids`` is the request's own (never mutated) prompt list and ``token_ids`` is
+    taken on first access as a prefix of the sequence's output list, which only ever grows.
+    Copying both each step made a long generation cost O(length^2) host time.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "_source", "_length", "new_token_ids",
+                 "finished", "finish_reason", "text", "error", "num_cached_tokens", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None,
+                 new_token_ids: list[int], finished: bool, finish_reason: str | None = None,
+                 text: str | None = None, error: str | None = None, num_cached_tokens: int = 0,
+                 num_preemptions: int = 0, *, source: list[int] | None = None, length: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._token_ids = token_ids
+        self._source, self._length = source, length
+        self.new_token_ids = new_token_ids
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.text = text
+        self.error = error
+        self.num_cached_tokens = num_cached_tokens
+        self.num_preemptions = num_preemptions
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            self._token_ids = list(self._source[: self._length]) if self._source is not None else []
+        return self._token_ids
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r}, error={self.error!r})")
 
     @staticmethod
     def of(seq: Sequence, text: str | None = None) -> RequestOutput:
+        n = len(seq.output_token_ids)
         new = seq.output_token_ids[seq.num_emitted :]
-        seq.num_emitted = len(seq.output_token_ids)
+        seq.num_emitted = n
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=list(seq.output_token_ids),
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=None,
             new_token_ids=new,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             text=text,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_preemptions=seq.num_preemptions,
+            source=seq.output_token_ids,
+            length=n,
         )
