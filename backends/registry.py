@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from portlayer.capabilities.descriptor import Descriptor
 
 ENTRY_POINT_GROUP = "portlayer.backends"
-BUILTIN_MODULES = ("portlayer.backends.cpu", "portlayer.backends.cuda", "portlayer.backends.rocm", "portlayer.backends.xpu")
+BUILTIN_MODULES = ("portlayer.backends.cpu", "portlayer.backends.cuda", "portlayer.backends.rocm", "portlayer.backends.xpu",
+                   "portlayer.backends.ascend")
 
 _REGISTRY: dict[str, type[BackendAdapter]] = {}
 _ORIGINS: dict[str, str] = {}

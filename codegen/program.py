@@ -36,6 +36,10 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
 def generate(graph: Graph, plan: Any, descriptor: Any) -> GeneratedProgram:
     if descriptor.codegen == "triton":
         return generate_triton_program(graph, context_for(graph, plan, descriptor), target=descriptor.name)
+    if descriptor.codegen == "cann":  # Ascend: a torch_npu op-call program (codegen/cann.py)
+        from portlayer.codegen.cann import generate_cann_program
+
+        return generate_cann_program(graph, plan, descriptor)
     return generate_torch_program(graph, target=descriptor.name)
 
 

@@ -25,6 +25,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Verify ARTIFACT, run its validation set here and report max error per output.")
     v.add_argument("artifact", help="artifact directory written by `portlayer compile`")
     v.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    v.add_argument("--emulate-ascend", action="store_true",
+                   help="run a CANN (Ascend) artifact on the CPU emulator of the torch_npu calls, not an NPU "
+                        "(also PORTLAYER_ASCEND_EMULATOR=1; see docs/ascend.md)")
     v.set_defaults(func=run_validate)
 
     b = sub.add_parser("bench", help="latency and throughput of an artifact on this device")
@@ -70,10 +73,12 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    import portlayer
-    from portlayer.loaded import print_notes
+    from portlayer.loaded import open_artifact, print_notes
 
-    loaded = portlayer.load(args.artifact)
+    loaded = open_artifact(Path(args.artifact), emulate=True if getattr(args, "emulate_ascend", False) else None)
+    if loaded.emulated:
+        print("[portlayer] running on the CPU emulator of the torch_npu calls (emulation, not an Ascend NPU)",
+              file=sys.stderr)
     print_notes(loaded)
     t0 = time.perf_counter()
     report = loaded.validate()

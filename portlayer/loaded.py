@@ -26,8 +26,10 @@ def _recompile(m: Manifest) -> str:
 class LoadedArtifact:
     """Use ``portlayer.load(path)`` to get one."""
 
-    def __init__(self, manifest: Manifest, plan: Plan, descriptor: Descriptor, device: Any, notes: list[str]) -> None:
+    def __init__(self, manifest: Manifest, plan: Plan, descriptor: Descriptor, device: Any, notes: list[str],
+                 emulated: bool = False) -> None:
         self.manifest = manifest
+        self.emulated = emulated  # a CANN artifact run on the CPU emulator of torch_npu (not an NPU)
         self.path = manifest.path
         self.plan = plan
         self.descriptor = descriptor
@@ -63,6 +65,10 @@ class LoadedArtifact:
         if self.manifest.raw.get("codegen", {}).get("generated"):
             adapter = get_backend(self.descriptor, index=max(self.device.index, 0))
             loader = getattr(adapter, "load_program", None)
+            if loader is not None and self.emulated:  # CANN program bound to the CPU emulator of torch_npu
+                from portlayer.backends.ascend_emulator import AscendEmulator
+
+                return loader(self.path, graph.weights, plan=self.plan, npu=AscendEmulator())
             if loader is not None:  # the Plan sizes its buffers and picks its CUDA-graph batch sizes
                 return loader(self.path, graph.weights, plan=self.plan)
         return ReferenceExecutable(graph, device=self.torch_device)
@@ -148,8 +154,15 @@ def _plan_value(plan: Plan, name: str, default: Any) -> Any:
         return default
 
 
-def open_artifact(path: Any, check_device: bool = True) -> LoadedArtifact:
+def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = False) -> LoadedArtifact:
+    """``emulate=True`` opens a CANN (Ascend) artifact to run on portlayer's CPU emulator of the
+    torch_npu calls (docs/ascend.md) instead of checking for an NPU; any other artifact is refused.
+    ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN"."""
     m = A.verify_artifact(path)
+    if emulate is None:
+        from portlayer.backends.ascend import emulator_requested
+
+        emulate = emulator_requested() and m.target.get("codegen") == "cann"
     raw_plan = A.read_json_file(m, A.PLAN)
     try:
         plan = Plan.from_json(raw_plan)
@@ -162,11 +175,14 @@ def open_artifact(path: Any, check_device: bool = True) -> LoadedArtifact:
         desc = Descriptor.from_dict(A.read_json_file(m, A.CAPABILITY), origin=str(m.path / A.CAPABILITY))
     except DescriptorError as e:
         raise ArtifactError(f"{e}\nThe artifact's descriptor is damaged; recompile: `{_recompile(m)}`") from None
-    device = A.check_device(m) if check_device else None
+    if emulate:  # explicit request: a CANN artifact on the CPU emulator (A.emulated_device refuses others)
+        device = A.emulated_device(m)
+    else:
+        device = A.check_device(m) if check_device else None
     notes = A.version_notes(m)
     for n in notes:
         warnings.warn(f"artifact {m.path}: {n}", UserWarning, stacklevel=3)
-    return LoadedArtifact(m, plan, desc, device, notes)
+    return LoadedArtifact(m, plan, desc, device, notes, emulated=emulate)
 
 
 def print_notes(loaded: LoadedArtifact) -> None:

@@ -293,6 +293,22 @@ def version_notes(m: Manifest) -> list[str]:
 
 
 # ---- device match ------------------------------------------------------------------------
+def emulated_device(m: Manifest) -> Any:
+    """The stand-in device for running a CANN (Ascend) artifact on portlayer's CPU emulator of the
+    torch_npu calls (backends/ascend_emulator.py). Only CANN artifacts can be emulated; the real
+    device check is not weakened, it is replaced by an explicit request (``emulate=True``)."""
+    from portlayer.capabilities.probe import DetectedDevice
+
+    if m.target.get("codegen") != "cann":
+        raise ArtifactError(
+            f"artifact {m.path} targets {m.target.get('name')} (codegen {m.target.get('codegen')}); only CANN (Ascend) "
+            "artifacts can run on the CPU emulator. Drop emulate / PORTLAYER_ASCEND_EMULATOR for this artifact."
+        )
+    return DetectedDevice("ascend", 0, "Ascend CPU emulator (torch_npu calls emulated in torch; not an NPU)",
+                          str(m.target.get("arch")), "cpu", m.target.get("name"), "emulated",
+                          "explicitly requested: emulate=True / --emulate-ascend / PORTLAYER_ASCEND_EMULATOR=1")
+
+
 def check_device(m: Manifest, devices: list[Any] | None = None) -> Any:
     """The local DetectedDevice that can run the artifact: same arch and codegen family.
 

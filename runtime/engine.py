@@ -116,13 +116,18 @@ class LLMEngine:
         return cls.from_graph(graph, device=device, tokenizer=load_tokenizer(path), **kwargs)
 
     @classmethod
-    def from_artifact(cls, path: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:
-        """Open a compiled artifact (hashes and device checked) and serve its program."""
-        import portlayer
-        from portlayer.backends.registry import get_backend
+    def from_artifact(cls, path: str | os.PathLike[str], *, emulate: bool | None = False, **kwargs: Any) -> LLMEngine:
+        """Open a compiled artifact (hashes and device checked) and serve its program.
 
-        loaded = portlayer.load(path)
+        ``emulate=True`` runs a CANN (Ascend) artifact on the CPU emulator of the torch_npu calls
+        (docs/ascend.md); ``None`` follows PORTLAYER_ASCEND_EMULATOR=1 for CANN artifacts."""
+        from portlayer.backends.registry import backend_class, get_backend
+        from portlayer.loaded import open_artifact
+
+        loaded = open_artifact(path, emulate=emulate)
         exe = loaded.executable()
+        if loaded.emulated and "backend" not in kwargs:  # KV caches in host memory, the descriptor's alignment
+            kwargs["backend"] = backend_class(loaded.descriptor.device_type)(loaded.descriptor, 0, emulate=True)
         backend = kwargs.pop("backend", None) or get_backend(loaded.descriptor, index=max(loaded.device.index, 0))
         return cls(exe, loaded.graph.meta, loaded.plan, backend=backend, tokenizer=loaded.tokenizer(), **kwargs)
 
