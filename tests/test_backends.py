@@ -82,8 +82,8 @@ def test_get_backend_by_descriptor_picks_the_device_type():
     h200 = get_backend("nvidia-h200")
     assert isinstance(h200, CUDAAdapter) and h200.torch_device == "cuda:0"
     assert h200.memory_fence_scope() == "warp"
-    with pytest.raises(KeyError, match="'ascend' backend"):
-        get_backend("ascend-910b")
+    ascend = get_backend("ascend-910b")  # registered since backends/ascend.py (runs only on the CPU emulator here)
+    assert type(ascend).__name__ == "AscendAdapter" and ascend.codegen_family == "cann"
     with pytest.raises(KeyError, match="neither a backend"):
         get_backend("quantum-9000")
     with pytest.raises(BackendError, match="device_type 'cpu'"):
