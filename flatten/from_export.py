@@ -168,7 +168,7 @@ class Converter:
         if handler is None:
             raise UnsupportedOpError(
                 f"aten op {target} (FX node '{node.name}', from HF module '{module_path(node)}') has no "
-                "mapping to a portable op. Add a @lower handler in portlayer/flatten/from_export_table.py "
+                "mapping to a portable op. Add a @lower handler in portlayer/flatten/from_export_table.py or from_export_compute.py "
                 "(or register a new op in flatten/op_defs/) and a test."
             )
         args = [self._resolve(a) for a in node.args]
@@ -202,7 +202,7 @@ def _renumber_attention_layers(g: Graph) -> None:
 
 def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_tokens") -> Graph:
     """Convert an ExportedProgram (pre-decomposition ATen) into a Flat IR Graph."""
-    from portlayer.flatten import from_export_table  # noqa: F401  (fills _TABLE)
+    from portlayer.flatten import from_export_compute, from_export_table  # noqa: F401  (fill _TABLE)
 
     return Converter(ep, token_symbol).run()
 
