@@ -10,7 +10,6 @@ process share nothing.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
@@ -109,10 +108,7 @@ class LLMEngine:
         from portlayer.flatten.capture import capture
 
         path = resolve_model(str(model))
-        graph = capture(path, dtype=dtype)
-        st_cfg = path / "sentence_bert_config.json"
-        if st_cfg.exists():  # sentence-transformers truncates to its own max_seq_length
-            graph.meta.setdefault("max_seq_length", json.loads(st_cfg.read_text()).get("max_seq_length"))
+        graph = capture(path, dtype=dtype)  # records sentence-transformers' max_seq_length in graph.meta
         return cls.from_graph(graph, device=device, tokenizer=load_tokenizer(path), **kwargs)
 
     @classmethod

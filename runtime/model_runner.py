@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
+from portlayer.flatten.logits import LOGITS_INDICES, feed_last_rows
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.runtime.executable import Executable
 from portlayer.runtime.sequence import Sequence
@@ -95,9 +96,8 @@ class ModelRunner:
     def execute(self, items: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; return the sequences due a token and their logits rows ([n, vocab])."""
         feeds, meta, rows = self.prepare(items)
-        selects = "logits_indices" in getattr(self.executable, "input_names", ())
-        if selects:  # lm_head runs on the last row of every sequence of the step (num_seqs rows)
-            feeds["logits_indices"] = meta.query_start_loc[1:].long() - 1
+        # lm_head runs on the last row of every sequence of the step (num_seqs rows) when it can
+        selects = LOGITS_INDICES in feed_last_rows(feeds, getattr(self.executable, "input_names", ()), meta)
         logits = self.executable.run(feeds, meta, self.kv_caches)[0]
         due_idx = [i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens]
         due = [items[i][0] for i in due_idx]
