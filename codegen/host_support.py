@@ -201,7 +201,10 @@ class HostProgram:
     def run(self, feeds: Mapping[str, torch.Tensor], attn_metadata: AttentionMetadata | None,
             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> list[torch.Tensor]:
         """The Executable interface: outputs for one step (the caller owns them)."""
-        T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
+        if self.INPUTS and feeds[self.INPUTS[0]].dim():
+            T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
+        else:  # a graph without a token-stream input: the step's size comes from its metadata
+            T = int(attn_metadata.query_start_loc[-1]) if attn_metadata is not None else 1  # noqa: N806
         if self._graphable(T, attn_metadata, kv_caches):
             return self._replay(T, feeds, attn_metadata, kv_caches)
         st = StepState.build(attn_metadata, T, self.device, kv_caches)
