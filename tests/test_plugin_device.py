@@ -30,26 +30,27 @@ def _forget_plugins() -> None:
     sys.modules.pop("portlayer_fake_backend", None)
 
 
-@pytest.fixture
-def fake_plugin(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def fake_plugin(tmp_path_factory):
     registry.load_backends()  # built-ins, before the plugin is importable: the registry we copy and restore
-    target = tmp_path / "site"
+    target = tmp_path_factory.mktemp("plugin") / "site"
     out = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
          "--no-index", "--target", str(target), str(FIXTURE)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    monkeypatch.syspath_prepend(str(target))
-    importlib.invalidate_caches()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_ORIGINS", dict(registry._ORIGINS))
-    monkeypatch.setattr(plugins, "_DECLARED", dict(plugins._DECLARED))
-    _forget_plugins()
-    with pytest.warns(RuntimeWarning, match="brokenaccel.*failed to load"):
-        registry.load_backends(refresh=True)
-    yield sys.modules["portlayer_fake_backend"].FakeAccelAdapter
-    _forget_plugins()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(target))
+        importlib.invalidate_caches()
+        mp.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+        mp.setattr(registry, "_ORIGINS", dict(registry._ORIGINS))
+        mp.setattr(plugins, "_DECLARED", dict(plugins._DECLARED))
+        _forget_plugins()
+        with pytest.warns(RuntimeWarning, match="brokenaccel.*failed to load"):
+            registry.load_backends(refresh=True)
+        yield sys.modules["portlayer_fake_backend"].FakeAccelAdapter
+        _forget_plugins()
 
 
 def test_plugin_device_type_descriptor_probe_and_adapter(fake_plugin):
@@ -73,6 +74,7 @@ def test_a_model_compiles_and_generates_through_the_plugin(fake_plugin, tiny_dir
 
     path = tiny_dirs["tiny-qwen3"]
     art_dir = tmp_path / "art"
+    compiled, loaded = fake_plugin.compiled, fake_plugin.loaded
     capsys.readouterr()
     assert main(["compile", str(path), "--target", "fakeaccel-1", "-o", str(art_dir), "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -80,13 +82,13 @@ def test_a_model_compiles_and_generates_through_the_plugin(fake_plugin, tiny_dir
     t = m["timings_s"]  # the summary prints the stage split the manifest records
     assert f"time: capture {t['capture']:.2f} s, passes {t['passes']:.2f} s, codegen {t['codegen']:.2f} s" in out
     assert m["target"]["device_type"] == "fakeaccel" and m["target"]["backend"] == "fakeaccel"
-    assert m["stages"]["codegen"] == "FakeAccelAdapter.compile_program" and fake_plugin.compiled == 1
+    assert m["stages"]["codegen"] == "FakeAccelAdapter.compile_program" and fake_plugin.compiled == compiled + 1
     plan = Plan.from_json(json.loads((art_dir / "plan.json").read_text()))
     assert plan.value("graph_capture_sizes") == [] and plan.target == "fakeaccel-1"  # its descriptor claims none
 
     allocations = fake_plugin.allocations
     eng = LLMEngine.from_artifact(art_dir)
-    assert fake_plugin.loaded == 1 and fake_plugin.allocations > allocations  # KV cache from the adapter
+    assert fake_plugin.loaded == loaded + 1 and fake_plugin.allocations > allocations  # KV cache from the adapter
     prompt = [9, 8, 7, 6, 5]
     out = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     ids = torch.tensor([prompt])
