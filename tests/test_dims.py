@@ -193,3 +193,26 @@ def test_memory_plan_stays_fast_at_depth():
         for t in texts:
             normalize_dim(f"256*ceiling(({normalize_dim(t)})/256)")
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_payload_in_a_reshape_attribute_is_refused_when_run(tmp_path):
+    """Attributes hold dims too (reshape targets); they are read by the same grammar when used."""
+    import torch
+
+    from portlayer.flatten.interpret import run_graph
+    from portlayer.flatten.ir import Graph, GraphBuilder
+
+    b = GraphBuilder(Graph())
+    x = b.add_input("x", TensorType("float32", ("num_tokens", 8)))
+    y = b.add1("reshape", [x], {"shape": ["num_tokens", 2, 4]})
+    b.graph.outputs = [y]
+    d = tmp_path / "saved"
+    save_graph(b.graph, d)
+    target = tmp_path / "pwn"
+    doc = json.loads((d / "graph.json").read_text())
+    doc["nodes"][0]["attrs"]["shape"][0] = _payload(target)
+    (d / "graph.json").write_text(json.dumps(doc))
+    g = load_graph(d)
+    with pytest.raises(RuntimeError, match=r"node reshape \(reshape.*DimError: dimension .*not a symbolic size"):
+        run_graph(g, {"x": torch.zeros(3, 8)})
+    assert not target.exists()
