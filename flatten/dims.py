@@ -12,6 +12,7 @@ the text is ever executed. Everything that reads a shape goes through ``parse_di
     power := atom ('**' ['-'] INT)?      # exponent <= 16, powers nest <= 3 deep (no 9**9**9 bombs)
     atom  := INT | NAME | FUNC '(' expr (',' expr)* ')' | '(' expr ')'
     FUNC  := ceiling | floor | Max | Min | Mod | PythonMod
+           | FloorDiv | CeilToInt | FloorToInt | IntTrueDiv | ModularIndexing   (torch's names)
 
 ``/`` is exact (rational) division, ``//`` is floor division, ``%`` is Python's modulo:
 the spellings sympy and torch.export print for sizes. Canonical strings are sympy's
@@ -34,7 +35,10 @@ MAX_DEPTH = 64
 MAX_POWER_NESTING = 3
 MAX_EXPONENT = 16
 MAX_INT_DIGITS = 40
-FUNCTIONS = {"ceiling": (1, 1), "floor": (1, 1), "Max": (2, 64), "Min": (2, 64), "Mod": (2, 2), "PythonMod": (2, 2)}
+FUNCTIONS = {"ceiling": (1, 1), "floor": (1, 1), "Max": (2, 64), "Min": (2, 64), "Mod": (2, 2), "PythonMod": (2, 2),
+             # torch.utils._sympy spellings torch.export may print for a size; read as the sympy functions
+             "FloorDiv": (2, 2), "CeilToInt": (1, 1), "FloorToInt": (1, 1), "IntTrueDiv": (2, 2),
+             "ModularIndexing": (3, 3)}
 GRAMMAR = ("integers, symbols (identifiers such as num_tokens), + - * / // % **, parentheses and "
            + "/".join(FUNCTIONS) + "(...)")
 
@@ -219,7 +223,9 @@ def _build(t: Tree):  # -> sympy.Expr
     if k == "call":
         args = [_build(a) for a in t[2]]
         fn = {"ceiling": sympy.ceiling, "floor": sympy.floor, "Max": sympy.Max, "Min": sympy.Min,
-              "Mod": sympy.Mod, "PythonMod": sympy.Mod}[t[1]]
+              "Mod": sympy.Mod, "PythonMod": sympy.Mod, "CeilToInt": sympy.ceiling, "FloorToInt": sympy.floor,
+              "FloorDiv": lambda a, b: sympy.floor(a / b), "IntTrueDiv": lambda a, b: a / b,
+              "ModularIndexing": lambda x, d, m: sympy.Mod(sympy.floor(x / d), m)}[t[1]]
         return fn(*args)
     a, b = _build(t[1]), _build(t[2])
     if k == "add":
@@ -330,14 +336,20 @@ def _compile(t: Tree) -> Callable[[Mapping[str, int]], Number]:
     if k == "call":
         fs = [_compile(a) for a in t[2]]
         name = t[1]
-        if name == "ceiling":
+        if name in ("ceiling", "CeilToInt"):
             return lambda b: _ceil(fs[0](b))
-        if name == "floor":
+        if name in ("floor", "FloorToInt"):
             return lambda b: _floor(fs[0](b))
         if name == "Max":
             return lambda b: max(f(b) for f in fs)
         if name == "Min":
             return lambda b: min(f(b) for f in fs)
+        if name == "FloorDiv":
+            return lambda b: _floor(Fraction(fs[0](b)) / fs[1](b))
+        if name == "IntTrueDiv":
+            return lambda b: Fraction(fs[0](b)) / fs[1](b)
+        if name == "ModularIndexing":
+            return lambda b: _floor(Fraction(fs[0](b)) / fs[1](b)) % fs[2](b)
         return lambda b: fs[0](b) % fs[1](b)  # Mod / PythonMod: the sign of the divisor, as sympy and Python
     fa, fb = _compile(t[1]), _compile(t[2])
     ops: dict[str, Callable[[Number, Number], Number]] = {

@@ -150,6 +150,28 @@ def test_random_expressions_canonicalise_evaluate_and_round_trip():
             assert eval_dim(c, {"num_tokens": n, "num_seqs": s}) == want, (e, c)
 
 
+def test_torch_spellings_read_as_what_torch_means():
+    """torch.utils._sympy's functions print under their own names; each reads as the same value."""
+    from torch.utils._sympy.functions import (
+        CeilToInt,
+        FloorDiv,
+        FloorToInt,
+        IntTrueDiv,
+        ModularIndexing,
+        PythonMod,
+    )
+
+    s0 = sympy.Symbol("num_tokens", integer=True, positive=True)
+    exprs = [FloorDiv(s0 + 3, 4), PythonMod(s0, 3), ModularIndexing(s0, 2, 4), CeilToInt(IntTrueDiv(s0, 3)),
+             FloorToInt(IntTrueDiv(s0, 5)) + FloorDiv(s0, 2), sympy.Max(1, FloorDiv(s0, 8))]
+    for e in exprs:
+        text = str(e)
+        c = normalize_dim(text)
+        for n in (1, 2, 5, 7, 64, 1001):
+            want = int(e.subs(s0, n))  # torch's own sympy functions evaluate the reference
+            assert eval_dim(text, {"num_tokens": n}) == eval_dim(c, {"num_tokens": n}) == want, (text, c, n)
+
+
 def test_equal_sizes_compare_equal_and_sizes_stay_exact():
     assert normalize_dim("(num_tokens)*(64)*2") == normalize_dim("128*num_tokens") == "128*num_tokens"
     assert normalize_dim("2*(num_tokens + 1)") == normalize_dim("2*num_tokens + 2")
