@@ -42,7 +42,7 @@ FUNCTIONS = {"ceiling": (1, 1), "floor": (1, 1), "Max": (2, 64), "Min": (2, 64),
 GRAMMAR = ("integers, symbols (identifiers such as num_tokens), + - * / // % **, parentheses and "
            + "/".join(FUNCTIONS) + "(...)")
 
-_TOKEN = re.compile(r"\s*(?:(?P<int>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|\*\*|[-+*/%(),]))")
+_TOKEN = re.compile(r"(?:(?P<int>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|\*\*|[-+*/%(),]))", re.ASCII)
 
 Tree = tuple  # ("int", n) | ("sym", name) | (op, a, b) | ("neg", a) | ("pow", a, n) | ("call", f, args)
 
@@ -57,17 +57,17 @@ def _fail(text: str, why: str) -> DimError:
 
 def _tokenize(text: str) -> list[tuple[str, str, int]]:
     out, i = [], 0
-    while i < len(text):
-        if text[i:].strip() == "":
-            break
+    while True:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        if i == len(text):
+            return out
         m = _TOKEN.match(text, i)
         if m is None:
-            j = len(text) - len(text[i:].lstrip())
-            raise _fail(text, f"unexpected {text[j]!r} at position {j}")
+            raise _fail(text, f"unexpected {text[i]!r} at position {i}")
         kind = m.lastgroup
         out.append((kind, m.group(kind), m.start(kind)))
         i = m.end()
-    return out
 
 
 class _Parser:
