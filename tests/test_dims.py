@@ -97,7 +97,7 @@ def test_payload_in_host_dim_is_refused(tmp_path):
     ("(((2**16)**16)**16)**2", "nest more than 3"), ("num_tokens/0", "not finite"), ("1.5*num_tokens", "unexpected '\\.'"),
     ("num_tokens; import os", "unexpected ';'"), ("'num_tokens'", "unexpected \"'\""), ("1/2", "not an integer"),
     ("9" * 41, "more than 40 digits"), ("num_tokens\n+1", None), ("\u0663*num_tokens", "unexpected"),
-    ("num_tokens\u00b2", "unexpected"), ("num_tokens\u00a0+ 1", "unexpected .xa0. at position 10"),
+    ("num_tokens\u00b2", "unexpected"), ("num_tokens\u00a0+ 1", "unexpected .* at position 10"),
 ])  # fmt: skip
 def test_grammar_refusals(bad, why):
     if why is None:  # whitespace, newlines included, is allowed between tokens
