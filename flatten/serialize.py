@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from portlayer.flatten.dims import DimError, parse_tree
 from portlayer.flatten.ir import Graph, Node, TensorType, Value, dtype_name
 
 FORMAT = "portlayer.flat_ir"
@@ -53,17 +54,38 @@ def graph_from_json(d: dict[str, Any], *, source: str = "graph JSON") -> Graph:
             "re-save the graph with this version of portlayer"
         )
     try:
-        return Graph(
+        graph = Graph(
             inputs=[Value.from_json(v) for v in d["inputs"]],
             params={p["name"]: TensorType(p["dtype"], tuple(p["shape"])) for p in d["params"]},
             nodes=[Node.from_json(n) for n in d["nodes"]],
             outputs=list(d["outputs"]),
             meta=dict(d.get("meta", {})),
         )
+        _check_plan_dims(graph.meta.get("memory_plan"))
+        return graph
     except KeyError as e:
         raise GraphFileError(f"{source}: missing key {e.args[0]!r}; the file is incomplete or not a saved graph") from None
     except (TypeError, ValueError) as e:
         raise GraphFileError(f"{source}: malformed entry ({e})") from None
+
+
+def _check_plan_dims(plan: Any) -> None:
+    """The memory plan's sizes and offsets are dims too: read them by the strict grammar now."""
+    if plan is None:
+        return
+    bufs = plan.get("buffers") if isinstance(plan, dict) else None
+    if not isinstance(bufs, dict):
+        raise ValueError("meta.memory_plan has no 'buffers' object")
+    for name, buf in bufs.items():
+        for key in ("size", "offset"):
+            v = buf.get(key) if isinstance(buf, dict) else None
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ValueError(f"meta.memory_plan buffer {name!r}: {key} {v!r} is not an int or a dim string")
+            if isinstance(v, str):
+                try:
+                    parse_tree(v)
+                except DimError as e:
+                    raise ValueError(f"meta.memory_plan buffer {name!r} {key}: {e}") from None
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:

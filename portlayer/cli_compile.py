@@ -71,8 +71,19 @@ def run_compile(args: argparse.Namespace) -> int:
     print(f"artifact: {art.path}")
     print(f"  {len(m.files)} files; generated sources: {len(gen.get('files', []))}; "
           f"passes: {m.raw.get('stages', {}).get('passes')}")
+    split = _time_split(m.raw.get("timings_s") or {})
+    if split:
+        print(f"  time: {split}" + (" (when it was compiled)" if art.cache_hit else ""))
     print(f"next: portlayer validate {art.path}")
     return 0
+
+
+def _time_split(timings: dict) -> str:
+    """'capture 1.2 s, passes 0.4 s, codegen 0.3 s, ...' from the manifest's stage timings."""
+    order = ["capture", "passes", "codegen"]
+    names = order + [k for k in timings if k not in order]
+    return ", ".join(f"{k} {float(timings[k]):.2f} s" for k in names
+                     if isinstance(timings.get(k), (int, float)) and not isinstance(timings.get(k), bool))
 
 
 def run_validate(args: argparse.Namespace) -> int:
