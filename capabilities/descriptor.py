@@ -18,6 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from portlayer.errors import PortlayerError
+
 HERE = Path(__file__).resolve().parent
 SCHEMA_PATH = HERE / "schema.json"
 DEVICES_DIR = HERE / "devices"
@@ -40,7 +42,7 @@ DTYPE_KEYS = {
 }  # fmt: skip
 
 
-class DescriptorError(ValueError):
+class DescriptorError(PortlayerError, ValueError):
     """A descriptor broke a rule; carries the file, the JSON path and the rule for tooling."""
 
     def __init__(self, origin: str, path: str, rule: str, detail: str) -> None:

@@ -270,8 +270,8 @@ def generate_cann_program(graph: Graph, plan: Any = None, descriptor: Any = None
     lines = _weights_prefixed(g.lines, g.params)
     block = 128
     if plan is not None:
-        try:
-            block = int(plan.value("kv_block_size"))
+        try:  # None for encoders (no KV cache): the program's block size is then unused
+            block = int(plan.value("kv_block_size") or block)
         except KeyError:
             pass
     host = render(

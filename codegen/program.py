@@ -6,12 +6,10 @@ each), <out>/kernels.json (launch configs and signatures, for AOT builds and ins
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +17,9 @@ from portlayer.codegen.gemm_rule import triton_gemm_max_tokens
 from portlayer.codegen.host import GeneratedProgram, generate_torch_program, generate_triton_program
 from portlayer.codegen.kernels.context import GenContext
 from portlayer.flatten.ir import Graph
+
+if TYPE_CHECKING:
+    from portlayer.codegen.source_loader import VerifiedSources
 
 
 def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
@@ -63,13 +64,16 @@ def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
 
 
 def load_program(out_dir: Path | str, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
-                 **options: Any):
-    """Import <out_dir>/host.py and build its Program (allocates buffers once)."""
-    out = Path(out_dir)
-    name = f"portlayer_host_{abs(hash(str(out.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, out / "host.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod.Program(weights, device, kernels_dir=out / "kernels", **options)
+                 sources: VerifiedSources | None = None, **options: Any):
+    """Build the Program of <out_dir>/host.py (allocates buffers once).
+
+    ``sources``: the artifact's generated files as verified at load time (portlayer.load
+    passes them); host.py and its kernels then run from those bytes only. Without it the
+    directory is one the caller just generated: its sources are read once, never imported.
+    """
+    from portlayer.codegen.source_loader import module_name, read_directory
+
+    out = Path(out_dir).resolve()
+    src = sources if sources is not None else read_directory(out)
+    mod = src.exec_module(out / "host.py", module_name(src, out / "host.py", "portlayer_host"))
+    return mod.Program(weights, device, kernels_dir=out / "kernels", sources=src, **options)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Graph, Node, TensorType, Value, dtype_name
 
 FORMAT = "portlayer.flat_ir"
@@ -24,7 +26,7 @@ GRAPH_FILE = "graph.json"
 WEIGHTS_FILE = "weights.safetensors"
 
 
-class GraphFileError(ValueError):
+class GraphFileError(PortlayerError, ValueError):
     """A saved graph directory is missing a file, or a file is not what save_graph writes."""
 
 
@@ -134,30 +136,42 @@ def save_graph(graph: Graph, directory: str | os.PathLike) -> Path:
     return out
 
 
-def load_graph(directory: str | os.PathLike) -> Graph:
-    """Read a directory written by save_graph; errors name the file and what was expected."""
-    from safetensors.torch import load_file
+def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | None = None) -> Graph:
+    """Read a directory written by save_graph; errors name the file and what was expected.
+
+    ``read(file_name) -> bytes`` supplies the files instead of the disk (a loaded artifact
+    passes the bytes it verified, so a file changed after verification is never used)."""
+    from safetensors.torch import load, load_file
 
     root = Path(directory)
     gpath = root / GRAPH_FILE
-    if not gpath.is_file():
+    if read is None and not gpath.is_file():
         raise GraphFileError(f"{gpath}: not found; expected a {GRAPH_FILE} written by portlayer's save_graph")
     try:
-        doc = json.loads(gpath.read_text())
+        doc = json.loads(read(GRAPH_FILE) if read is not None else gpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GraphFileError(f"{gpath}: not valid JSON ({e}); the file is corrupt, re-save the graph") from None
+    except RecursionError:
+        raise GraphFileError(f"{gpath}: JSON nested too deeply to be a saved graph; the file is corrupt") from None
     graph = graph_from_json(doc, source=str(gpath))
     winfo = doc.get("weights", {})
+    if not isinstance(winfo, dict):
+        raise GraphFileError(f"{gpath}: 'weights' must be an object {{file, names, aliases}}, found {type(winfo).__name__}")
     names = list(winfo.get("names", []))
     aliases: dict[str, str] = dict(winfo.get("aliases", {}))
-    wpath = root / winfo.get("file", WEIGHTS_FILE)
-    if not wpath.is_file():
+    wfile = winfo.get("file", WEIGHTS_FILE)
+    if not isinstance(wfile, str) or Path(wfile).name != wfile:
+        raise GraphFileError(f"{gpath}: weights file {wfile!r} must be a plain file name beside {GRAPH_FILE}")
+    wpath = root / wfile
+    if read is None and not wpath.is_file():
         if names:
             raise GraphFileError(f"{wpath}: not found; {gpath.name} lists {len(names)} weights stored there")
         return graph
     try:
-        tensors = load_file(str(wpath))
+        tensors = load(read(wfile)) if read is not None else load_file(str(wpath))
     except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        if isinstance(e, PortlayerError):  # e.g. the artifact's reader refusing a changed file
+            raise
         raise GraphFileError(f"{wpath}: not a readable safetensors file ({e}); the file is corrupt, re-save the graph") from None
     for name in names:
         src = aliases.get(name, name)

@@ -160,5 +160,13 @@ def verify_graph(graph: Graph) -> None:
     _check_names(graph, problems)
     _check_nodes(graph, problems)
     _check_outputs_and_weights(graph, problems)
+    if isinstance(graph.meta, dict) and "kernels" in graph.meta:
+        from portlayer.flatten.verify_plan import check_kernel_groups
+
+        check_kernel_groups(graph, problems)
+    if isinstance(graph.meta, dict) and "memory_plan" in graph.meta:
+        from portlayer.flatten.verify_plan import check_memory_plan_shape
+
+        check_memory_plan_shape(graph, problems)
     if problems:
         raise VerificationError(problems)
