@@ -134,7 +134,7 @@ def compile(  # noqa: A001 - the public name users expect
     if output is not None:  # refuse a path we may not replace before any work (and before anything is written)
         from portlayer.runtime.artifact import check_output_dir
 
-        check_output_dir(Path(output).resolve())
+        check_output_dir(Path(output).absolute())
     stages = Stages(progress)
     options = _options(dtype, quantize)
     desc = resolve_target(target)

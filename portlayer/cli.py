@@ -88,9 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _message(e: BaseException) -> str:
-    if isinstance(e, OSError) and not str(e).count(str(getattr(e, "filename", "") or "")):
-        return f"{e.filename}: {e.strerror or e}"
-    return str(e) if str(e) else type(e).__name__
+    return str(e) or type(e).__name__
 
 
 def _print_err(text: str) -> None:

@@ -260,8 +260,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     if not mpath.is_file():
         raise ArtifactError(f"{mpath}: missing; {root} is not a portlayer artifact (or was copied incompletely)")
     try:
-        raw = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(_read_bytes(mpath))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{mpath}: not valid JSON ({e}); the artifact is damaged, recompile it") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
