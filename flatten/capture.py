@@ -127,7 +127,7 @@ def _load_config(p: Path) -> Any:
         return transformers.AutoConfig.from_pretrained(str(p))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CaptureError(f"{cfg_path}: model_type {raw['model_type']!r} cannot be loaded by transformers "
-                           f"{transformers.__version__} ({type(e).__name__}: {str(e)[:300]})") from None
+                           f"{transformers.__version__} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
 
 
 def _check_safetensors_files(p: Path) -> None:

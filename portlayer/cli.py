@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a pipe closed by the reader fails here, inside the handler, not at exit
+        return rc
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
