@@ -54,6 +54,9 @@ def graph_from_json(d: dict[str, Any], *, source: str = "graph JSON") -> Graph:
             f"{source}: format_version {version!r} is not supported (this portlayer reads {FORMAT_VERSION}); "
             "re-save the graph with this version of portlayer"
         )
+    problem = structure_problem(d)
+    if problem:
+        raise GraphFileError(f"{source}: {problem}; the file is damaged or not a saved graph")
     try:
         return Graph(
             inputs=[Value.from_json(v) for v in d["inputs"]],
@@ -64,8 +67,61 @@ def graph_from_json(d: dict[str, Any], *, source: str = "graph JSON") -> Graph:
         )
     except KeyError as e:
         raise GraphFileError(f"{source}: missing key {e.args[0]!r}; the file is incomplete or not a saved graph") from None
-    except (TypeError, ValueError) as e:
-        raise GraphFileError(f"{source}: malformed entry ({e})") from None
+    except (TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise GraphFileError(f"{source}: malformed entry ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+#: the largest static dimension a saved graph may declare (no real tensor comes near it)
+MAX_STATIC_DIM = 1 << 48
+
+
+def structure_problem(d: dict[str, Any]) -> str | None:
+    """The first way ``d`` departs from the JSON layout graph_to_json writes, or None.
+
+    Checked before anything is built, so a damaged file gives one clear message instead of
+    whatever a constructor trips over (symbolic dims are parsed later, by flatten.ir)."""
+
+    def value_problem(v: Any, where: str) -> str | None:
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not isinstance(v.get("dtype"), str):
+            return f"{where} must be an object with string 'name' and 'dtype'"
+        shape = v.get("shape")
+        if not isinstance(shape, list):
+            return f"{where} ({v['name']}): 'shape' must be a list"
+        for dim in shape:
+            if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+                return f"{where} ({v['name']}): dimension {dim!r} is neither an integer nor a symbolic expression"
+            if isinstance(dim, int) and not 0 <= dim <= MAX_STATIC_DIM:
+                return f"{where} ({v['name']}): dimension {dim} is out of range [0, 2**48]"
+        return None
+
+    for key in ("inputs", "params", "nodes", "outputs"):
+        if not isinstance(d.get(key), list):
+            return f"'{key}' must be a list"
+    if not isinstance(d.get("meta", {}), dict):
+        return "'meta' must be an object"
+    for key in ("inputs", "params"):
+        for i, v in enumerate(d[key]):
+            if p := value_problem(v, f"{key}[{i}]"):
+                return p
+    for i, n in enumerate(d["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(n, dict) or not isinstance(n.get("name"), str) or not isinstance(n.get("op"), str):
+            return f"{where} must be an object with string 'name' and 'op'"
+        where = f"node {n['name']}"
+        ins, outs = n.get("inputs"), n.get("outputs")
+        if not isinstance(ins, list) or not all(x is None or isinstance(x, str) for x in ins):
+            return f"{where}: 'inputs' must be a list of value names (or null for an absent optional input)"
+        if not isinstance(outs, list):
+            return f"{where}: 'outputs' must be a list of values"
+        for j, v in enumerate(outs):
+            if p := value_problem(v, f"{where}: outputs[{j}]"):
+                return p
+        for key in ("attrs", "meta"):
+            if not isinstance(n.get(key, {}), dict):
+                return f"{where}: '{key}' must be an object"
+    if not all(isinstance(o, str) for o in d["outputs"]):
+        return "'outputs' must be a list of value names"
+    return None
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -157,8 +213,10 @@ def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | N
     winfo = doc.get("weights", {})
     if not isinstance(winfo, dict):
         raise GraphFileError(f"{gpath}: 'weights' must be an object {{file, names, aliases}}, found {type(winfo).__name__}")
-    names = list(winfo.get("names", []))
-    aliases: dict[str, str] = dict(winfo.get("aliases", {}))
+    names, aliases = winfo.get("names", []), winfo.get("aliases", {})
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(aliases, dict) \
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise GraphFileError(f"{gpath}: 'weights' must list 'names' (strings) and 'aliases' (name -> stored name)")
     wfile = winfo.get("file", WEIGHTS_FILE)
     if not isinstance(wfile, str) or Path(wfile).name != wfile:
         raise GraphFileError(f"{gpath}: weights file {wfile!r} must be a plain file name beside {GRAPH_FILE}")
