@@ -1,7 +1,9 @@
 """Write generated programs to an artifact directory and load them back as Executables.
 
-Layout: <out>/host.py (the program), <out>/kernels/<name>.py (one Triton kernel module
+Layout: <out>/host.py (the program), <out>/program.json (its layout: weights, arena buffers
+from the memory plan, per-layer namespaces), <out>/kernels/<name>.py (one Triton kernel module
 each), <out>/kernels.json (launch configs and signatures, for AOT builds and inspection).
+Generating a program is backends/generate.py's job (it needs the lowering registry).
 """
 
 from __future__ import annotations
@@ -13,54 +15,47 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from portlayer.codegen.gemm_rule import triton_gemm_max_tokens
-from portlayer.codegen.host import GeneratedProgram, generate_torch_program, generate_triton_program
-from portlayer.codegen.kernels.context import GenContext
-from portlayer.flatten.ir import Graph
+from portlayer.codegen.host import GeneratedProgram
 
 if TYPE_CHECKING:
     from portlayer.codegen.source_loader import VerifiedSources
 
-
-def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
-    """Codegen context from the Plan's launch configs and the descriptor's facts."""
-    launch = {}
-    if plan is not None:
-        try:
-            launch = plan.launch_configs
-        except KeyError:
-            launch = {}
-    return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
-                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor))
-
-
-def generate(graph: Graph, plan: Any, descriptor: Any) -> GeneratedProgram:
-    if descriptor.codegen == "triton":
-        return generate_triton_program(graph, context_for(graph, plan, descriptor), target=descriptor.name)
-    if descriptor.codegen == "cann":  # Ascend: a torch_npu op-call program (codegen/cann.py)
-        from portlayer.codegen.cann import generate_cann_program
-
-        return generate_cann_program(graph, plan, descriptor)
-    return generate_torch_program(graph, target=descriptor.name)
+PROGRAM_LAYOUT = "program.json"
 
 
 def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
     out = Path(out_dir)
-    (out / "kernels").mkdir(parents=True, exist_ok=True)
-    for stale in (out / "kernels").glob("*.py"):
-        stale.unlink()
-    files = [out / "host.py"]
+    files = [out / "host.py", out / PROGRAM_LAYOUT]
+    out.mkdir(parents=True, exist_ok=True)
     files[0].write_text(gen.host)
-    for name, src in gen.kernel_sources().items():
-        p = out / "kernels" / f"{name}.py"
-        p.write_text(src)
-        files.append(p)
-    meta = {n: {"family": k.family, "fn": k.fn, "signature": k.signature(), "constexprs": k.constexprs,
-                "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n)}
-            for n, k in gen.kernels.items()}
-    (out / "kernels.json").write_text(json.dumps({"kernels": meta, "fallbacks": gen.fallbacks}, indent=2))
-    files.append(out / "kernels.json")
+    files[1].write_text(json.dumps(gen.layout, indent=1, sort_keys=True))
+    sources = gen.kernel_sources()
+    if sources:
+        (out / "kernels").mkdir(parents=True, exist_ok=True)
+        for stale in (out / "kernels").glob("*.py"):
+            stale.unlink()
+        for name, src in sources.items():
+            p = out / "kernels" / f"{name}.py"
+            p.write_text(src)
+            files.append(p)
+        meta = {n: {"family": k.family, "fn": k.fn, "signature": k.signature(), "constexprs": k.constexprs,
+                    "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n)}
+                for n, k in gen.kernels.items()}
+        (out / "kernels.json").write_text(json.dumps({"kernels": meta, "fallbacks": gen.fallbacks}, indent=2))
+        files.append(out / "kernels.json")
     return files
+
+
+def read_layout(out_dir: Path | str, data: bytes | None = None) -> dict[str, Any]:
+    """The program layout of ``out_dir`` (``data``: its verified bytes, instead of reading the file)."""
+    path = Path(out_dir) / PROGRAM_LAYOUT
+    try:
+        layout = json.loads(data if data is not None else path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: cannot read the program layout ({e}); recompile the artifact") from e
+    if not isinstance(layout, dict) or layout.get("format") != "portlayer-program/1":
+        raise ValueError(f"{path}: not a portlayer program layout (format portlayer-program/1); recompile the artifact")
+    return layout
 
 
 def load_program(out_dir: Path | str, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
@@ -68,12 +63,14 @@ def load_program(out_dir: Path | str, weights: Mapping[str, torch.Tensor], devic
     """Build the Program of <out_dir>/host.py (allocates buffers once).
 
     ``sources``: the artifact's generated files as verified at load time (portlayer.load
-    passes them); host.py and its kernels then run from those bytes only. Without it the
-    directory is one the caller just generated: its sources are read once, never imported.
+    passes them); host.py, program.json and the kernels then come from those bytes only.
+    Without it the directory is one the caller just generated: its files are read once,
+    never imported (no module import from the directory, no bytecode read or written there).
     """
     from portlayer.codegen.source_loader import module_name, read_directory
 
     out = Path(out_dir).resolve()
-    src = sources if sources is not None else read_directory(out)
+    src = sources if sources is not None else read_directory(out, ("*.py", PROGRAM_LAYOUT, "kernels/*.py"))
     mod = src.exec_module(out / "host.py", module_name(src, out / "host.py", "portlayer_host"))
-    return mod.Program(weights, device, kernels_dir=out / "kernels", sources=src, **options)
+    layout = read_layout(out, src.read(out / PROGRAM_LAYOUT))
+    return mod.Program(weights, device, layout=layout, kernels_dir=out / "kernels", sources=src, **options)

@@ -65,6 +65,9 @@ def _describe(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--interpret" in (sys.argv[1:] if argv is None else argv):
+        # Triton fixes interpreted-or-compiled when it is first imported: decide before anything imports it.
+        os.environ["TRITON_INTERPRET"] = "1"
     args = None
     try:
         parser = build_parser()
