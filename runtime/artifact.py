@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
+from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
 FORMAT_VERSION = 1
@@ -154,59 +155,12 @@ class ArtifactWriter:
             "files": files,
         }
         (self.dir / MANIFEST).write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        _replace_dir(self.dir, self.final)
+        replace_dir(self.dir, self.final)
         self.committed = True
         return self.final
 
 
-def is_artifact_dir(path: Path) -> bool:
-    """True when ``path`` holds a portlayer artifact manifest (its ``format`` field says so)."""
-    mpath = path / MANIFEST
-    if not mpath.is_file() or mpath.is_symlink():
-        return False
-    try:
-        raw = json.loads(_read_bytes(mpath))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == FORMAT
-
-
-def check_output_dir(final: Path) -> None:
-    """Refuse an output path that exists and is neither a portlayer artifact nor an empty directory."""
-    if final.is_symlink():
-        raise ArtifactError(f"{final} is a symbolic link; pass a real directory path to -o (nothing was written)")
-    if not final.exists():
-        return
-    if not final.is_dir():
-        raise ArtifactError(f"{final} exists and is a file, not an artifact directory; pass a new or empty directory "
-                            "to -o, or remove it first (nothing was written)")
-    if is_artifact_dir(final) or not any(final.iterdir()):
-        return
-    what = "its manifest.json is not a portlayer artifact manifest" if (final / MANIFEST).exists() else f"no {MANIFEST}"
-    raise ArtifactError(
-        f"{final} exists and is not a portlayer artifact ({what}); pass an empty or new directory to -o, or remove "
-        "it first (nothing was written or removed)"
-    )
-
-
-def _replace_dir(staged: Path, final: Path) -> None:
-    """Rename ``staged`` to ``final``; an existing artifact (or empty dir) there is swapped out, anything else refused."""
-    try:
-        check_output_dir(final)
-    except ArtifactError:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    if final.exists():
-        trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, trash)
-        try:
-            os.rename(staged, final)
-        except OSError:
-            os.rename(trash, final)  # put the old artifact back: nothing is lost
-            raise
-        shutil.rmtree(trash, ignore_errors=True)
-        return
-    os.rename(staged, final)
+_replace_dir = replace_dir  # the old private name
 
 
 # ---- reading and verifying --------------------------------------------------------------
