@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from portlayer.errors import PortlayerError
+
 if TYPE_CHECKING:
     from portlayer.capabilities.descriptor import Descriptor
     from portlayer.capabilities.probe import DetectedDevice
 
 
-class BackendError(RuntimeError):
+class BackendError(PortlayerError, RuntimeError):
     """A backend could not do what was asked; the message says which backend and what to do."""
 
 

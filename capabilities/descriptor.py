@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from portlayer.capabilities.plugins import BUILTIN_CODEGEN, codegen_families, plugin_descriptors
+from portlayer.errors import PortlayerError
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_PATH = HERE / "schema.json"
@@ -43,7 +44,7 @@ DTYPE_KEYS = {
 }  # fmt: skip
 
 
-class DescriptorError(ValueError):
+class DescriptorError(PortlayerError, ValueError):
     """A descriptor broke a rule; carries the file, the JSON path and the rule for tooling."""
 
     def __init__(self, origin: str, path: str, rule: str, detail: str) -> None:

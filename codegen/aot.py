@@ -10,7 +10,6 @@ Intel XPU cannot be compiled here: PyPI Triton ships only the nvidia and amd bac
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -75,10 +74,11 @@ def parse_target(text: str) -> tuple[str, Any, int]:
 
 
 def _module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"aot_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """Execute one kernel module from its bytes (read once; no import, no bytecode in the artifact)."""
+    from portlayer.codegen.source_loader import module_name, read_directory
+
+    src = read_directory(path.parent, (path.name,))
+    return src.exec_module(path, module_name(src, path, "aot"))
 
 
 def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> list[dict[str, Any]]:

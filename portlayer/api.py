@@ -85,11 +85,15 @@ def _model_source(model: Any) -> ModelSource:
         path = resolve_model(str(model))
         if (path / "graph.json").is_file() and not (path / "config.json").is_file():
             from portlayer.flatten.serialize import GraphFileError, load_graph
+            from portlayer.flatten.verify import VerificationError, verify_graph
 
             try:  # a Flat IR graph saved with save_graph (e.g. by `portlayer inspect` or an ONNX import)
                 graph = load_graph(path)
+                verify_graph(graph)
             except GraphFileError as e:
                 raise CompileError(f"{e}") from None
+            except VerificationError as e:
+                raise CompileError(f"{path / 'graph.json'}: {e}") from None
             return ModelSource(str(model), path, model_dir_hash(path), graph)
         if not path.is_dir():
             raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
@@ -127,6 +131,10 @@ def compile(  # noqa: A001 - the public name users expect
     from portlayer.runtime import cache
 
     t0 = time.perf_counter()
+    if output is not None:  # refuse a path we may not replace before any work (and before anything is written)
+        from portlayer.runtime.artifact import check_output_dir
+
+        check_output_dir(Path(output).absolute())
     stages = Stages(progress)
     options = _options(dtype, quantize)
     desc = resolve_target(target)
@@ -154,7 +162,7 @@ def _copy_artifact(src: Path, dest: Path) -> Path:
 
     staged = dest.parent / f".{dest.name}.copy-{os.getpid()}"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, staged, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, staged, symlinks=True)
     _replace_dir(staged, dest)
     return dest
 

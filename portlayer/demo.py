@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import portlayer
-    from portlayer.errors import USER_ERRORS
+    from portlayer.errors import PortlayerError
 
     try:
         art = portlayer.compile("all-minilm-l6-v2", target=args.target, progress=not args.no_progress)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiny Qwen3 (random weights, so the text is noise) generated {len(out.token_ids)} tokens:")
         print(f"  ids:  {list(out.token_ids)}")
         print(f"  text: {out.text!r}")
-    except USER_ERRORS as e:
+    except PortlayerError as e:
         print(f"portlayer demo: error: {e}", file=sys.stderr)
         return 2
     return 0
