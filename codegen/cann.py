@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from portlayer.codegen.host_support import HostProgram
-from portlayer.codegen.kernels.fallback import py_literal
 from portlayer.codegen.kernels.context import GenContext, host_dim
+from portlayer.codegen.kernels.fallback import py_literal
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Graph, Node
 from portlayer.flatten.op_defs.attention import attention_reference, read_kv_cache

@@ -200,7 +200,8 @@ def test_lowering_matches_the_op(impl, tmp_path, monkeypatch):
         outs, gen = _run(impl, desc, types, values, attrs, ctx, tmp_path / case_id)
         if impl.family == "triton" and impl.op not in ("reshape",):
             assert gen.kernels, f"{impl.name}: no kernel generated"
-        for o, w in zip(outs, want):
+        for o, w, wt in zip(outs, want, want_types):
             assert tuple(o.shape) == tuple(w.shape), (case_id, o.shape, w.shape)
+            assert str(o.dtype) == f"torch.{wt.dtype}", (case_id, o.dtype, wt)
             torch.testing.assert_close(o.to(w.dtype), w, atol=tol, rtol=tol, equal_nan=True,
                                        msg=lambda m, cid=case_id: f"{impl.name} on {cid}: {m}")
