@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from portlayer.flatten.capture import CaptureError
 from portlayer.flatten.gguf_blocks import NATIVE_FORMATS, NativeWeight, decode
 
 NATIVE_FILE = "gguf_native.safetensors"
@@ -36,7 +37,7 @@ NATIVE_INDEX = "gguf_native.json"
 PERMUTED_QK = ("llama",)
 
 
-class GGUFError(ValueError):
+class GGUFError(CaptureError):
     """A .gguf source cannot be used; the message says which file and what to do."""
 
 
