@@ -71,19 +71,24 @@ class GateResult:
                 "thresholds": asdict(self.thresholds), "passed": self.passed, "failures": list(self.failures)}
 
 
-def logits_of(graph: Graph, ids: torch.Tensor) -> torch.Tensor:
-    """[T, V] float32 logits of one sequence on the reference interpreter, float32 weights."""
+def logits_of(graph: Graph, ids: torch.Tensor, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[T, V] float32 logits of one sequence on the reference interpreter, weights in ``dtype``
+    (quantization scales and offsets stay float32, as the linear_wq contract stores them)."""
     from portlayer.flatten.interpret import ExecContext, run_graph
     from portlayer.flatten.op_defs.attention import AttentionMetadata
 
-    feeds = {"input_ids": ids, "positions": torch.arange(ids.shape[0])}
+    ids = ids.to(device)
+    feeds = {"input_ids": ids, "positions": torch.arange(ids.shape[0], device=device)}
     for v in graph.inputs:
         if v.name not in feeds:  # logits_indices (select_logit_rows): every row
-            feeds[v.name] = torch.arange(ids.shape[0])
-    weights = {k: (w.float() if w.is_floating_point() else w) for k, w in graph.weights.items()}
-    ctx = ExecContext(attn_metadata=AttentionMetadata.from_lens([int(ids.shape[0])]))
+            feeds[v.name] = torch.arange(ids.shape[0], device=device)
+    keep32 = {x for n in graph.nodes if n.op == "linear_wq" for x in n.inputs[2:5:2] if x}
+    weights = {k: (w.to(device, torch.float32 if k in keep32 else dtype) if w.is_floating_point() else w.to(device))
+               for k, w in graph.weights.items()}
+    ctx = ExecContext(attn_metadata=AttentionMetadata.from_lens([int(ids.shape[0])], device=device), device=device)
     with torch.no_grad():
-        return run_graph(graph, feeds, ctx, weights=weights)[0].float()
+        return run_graph(graph, feeds, ctx, weights=weights)[0].float().cpu()
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor | None) -> dict[str, float]:
@@ -98,14 +103,16 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor |
 
 
 def evaluate(reference: Graph, lossy: Graph, mode: str, text_ids: torch.Tensor, text_how: str,
-             prompts: Sequence[torch.Tensor] = ()) -> GateResult:
+             prompts: Sequence[torch.Tensor] = (), device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, reference_dtype: torch.dtype = torch.float32) -> GateResult:
     """Grade ``lossy`` against ``reference`` on the text (all metrics) and extra prompts (top-1, KL)."""
     th = THRESHOLDS.get(mode, THRESHOLDS["int4"])
     tot = {"n": 0.0, "agree": 0.0, "kl": 0.0, "nll_f": 0.0, "nll_q": 0.0, "nt": 0.0}
     for i, ids in enumerate([text_ids, *prompts]):
         if ids.numel() < 2 and i == 0:
             raise ValueError("quality gate: the built-in text tokenized to fewer than 2 tokens")
-        r = compare_logits(logits_of(reference, ids), logits_of(lossy, ids), ids[1:] if i == 0 else None)
+        r = compare_logits(logits_of(reference, ids, device, reference_dtype), logits_of(lossy, ids, device, dtype),
+                           ids[1:] if i == 0 else None)
         for k, v in r.items():
             tot[k] += v
     top1, kl = tot["agree"] / tot["n"], tot["kl"] / tot["n"]
