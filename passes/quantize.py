@@ -35,10 +35,13 @@ MODES = ("int8", "int4", "native")
 
 def pick_group(k: int, bits: int, requested: int | None) -> int:
     """Columns per group: int8 per channel unless asked; int4 ``requested`` (default 128), clipped
-    to K, per channel when K is not a multiple of it."""
+    to K. linear_wq needs K % group == 0, so when K is not a multiple (SmolLM2's K = 576 at 128)
+    the group halves down to 32 (576 -> 64); per channel only when no such group divides K."""
     if requested is None:
         requested = k if bits == 8 else 128
     g = min(int(requested), k)
+    while k % g and g > 32 and g % 2 == 0:
+        g //= 2
     return g if k % g == 0 else k
 
 

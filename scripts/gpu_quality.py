@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--formats", nargs="+", default=["native", "int8", "int4"])
     ap.add_argument("--target", default="nvidia-h200", help="descriptor whose plan (group size, ...) is used")
+    ap.add_argument("--methods", nargs="+", default=["gptq"], help="int8/int4 methods to grade (gptq, rtn)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
@@ -65,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"captured {graph.meta.get('model_type')} ({len(graph.nodes)} nodes) in {time.perf_counter() - t0:.0f} s; text: {how}")
     rows = []
     base = evaluate(graph, graph, "none", ids, how, prompts, args.device, dtype)
-    rows.append({"format": f"none ({args.dtype} compute)", **base.to_json()})
+    rows.append({"format": f"none ({args.dtype})", **base.to_json()})
     for fmt in args.formats:
-        t1 = time.perf_counter()
-        res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False)
-        r = evaluate(graph, res.graph, fmt, ids, how, prompts, args.device, dtype)
-        rows.append({"format": f"{fmt} ({args.dtype} compute)", **r.to_json(), "seconds": round(time.perf_counter() - t1, 1)})
+        for method in args.methods if fmt != "native" else ["blocks"]:
+            t1 = time.perf_counter()
+            res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False,
+                               options={"quant_method": method} if fmt != "native" else None)
+            r = evaluate(graph, res.graph, fmt, ids, how, prompts, args.device, dtype)
+            rows.append({"format": f"{fmt} {method} ({args.dtype})", **r.to_json(), "seconds": round(time.perf_counter() - t1, 1)})
+            print(rows[-1]["format"], f"{r.summary()} [{rows[-1]['seconds']} s]", flush=True)
     print(f"{'format':<28} {'top-1':>7} {'mean KL':>9} {'ppl ratio':>10}  gate")
     for r in rows:
         verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])

@@ -1,0 +1,62 @@
+"""The quality gate on tiny models: figures against an independent computation, GPTQ vs RTN on
+held-out text, the default-pick fallback, and --strict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from portlayer.passes import quality_gate as Q
+
+
+def test_compare_logits_matches_torch_kl_and_nll():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 11, generator=gen), torch.randn(6, 11, generator=gen)
+    t = torch.randint(0, 11, (6,), generator=gen)
+    r = Q.compare_logits(a, b, t)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1),
+                                    log_target=True, reduction="sum")
+    assert math.isclose(r["kl"], float(kl), rel_tol=1e-9)
+    assert math.isclose(r["nll_q"], float(torch.nn.functional.cross_entropy(b.double(), t, reduction="sum")), rel_tol=1e-9)
+    assert r["agree"] == float((a.argmax(-1) == b.argmax(-1)).sum())
+
+
+def test_gptq_beats_round_to_nearest_on_held_out_text(captured):
+    from portlayer.passes.pipeline import run_pipeline
+
+    g = captured["tiny-qwen3"]
+    res = {m: run_pipeline(g, "cpu-x86_64", overrides={"weight_quantization": "int4"}, options={"quant_method": m})
+           for m in ("rtn", "gptq")}
+    kl = {m: Q.gate(g, r.graph, "int4").mean_kl for m, r in res.items()}
+    assert kl["gptq"] < kl["rtn"], kl
+    same = Q.gate(g, g, "int8")
+    assert same.passed and same.top1 == 1.0 and same.mean_kl < 1e-12 and abs(same.ppl_ratio - 1) < 1e-12
+
+
+def test_default_pick_below_threshold_falls_back_with_the_measured_reason(captured, monkeypatch):
+    from portlayer.passes.gated import run_gated
+
+    g = captured["tiny-qwen3"]
+    plain = run_gated(g, "nvidia-a100-80gb")
+    assert plain.result.plan.weight_quantization == "int4" and plain.gate is not None  # the policy's default pick
+    monkeypatch.setitem(Q.THRESHOLDS, "int4", Q.Thresholds(top1=1.01, mean_kl=0.0, ppl_ratio=1.0))
+    out = run_gated(g, "nvidia-a100-80gb")
+    d = out.result.plan.decision("weight_quantization")
+    assert [r.mode for r in out.rejected] == ["int4"] and d.value in ("int8", "none")
+    assert "rejected by the quality gate (measured top-1" in d.reason and "top-1 agreement" in d.reason
+    assert not out.result.graph.find("linear_wq") or d.value == "int8"
+
+
+def test_explicit_quantize_below_threshold_warns_or_is_refused(tiny_dirs, monkeypatch):
+    import portlayer
+    from portlayer.api import CompileError
+
+    monkeypatch.setitem(Q.THRESHOLDS, "int4", Q.Thresholds(top1=1.01, mean_kl=0.0, ppl_ratio=1.0))
+    with pytest.raises(CompileError, match="refused .--strict.: --quantize int4 is below"):
+        portlayer.compile(tiny_dirs["tiny-qwen3"], target="cpu-x86_64", quantize="int4", strict=True, progress=False)
+    art = portlayer.compile(tiny_dirs["tiny-qwen3"], target="cpu-x86_64", quantize="int4", progress=False)
+    doc = art.manifest.raw["quality_gate"]
+    assert doc["explicit"] and not doc["compiled"]["passed"] and "below the quality gate" in doc["warning"]
+    assert art.load().plan.weight_quantization == "int4"
