@@ -36,17 +36,18 @@ def test_gptq_beats_round_to_nearest_on_held_out_text(captured):
 
 
 def test_default_pick_below_threshold_falls_back_with_the_measured_reason(captured, monkeypatch):
+    from portlayer.capabilities.policy import plan_for_graph
     from portlayer.passes.gated import run_gated
 
     g = captured["tiny-qwen3"]
-    plain = run_gated(g, "nvidia-a100-80gb")
-    assert plain.result.plan.weight_quantization == "int4" and plain.gate is not None  # the policy's default pick
-    monkeypatch.setitem(Q.THRESHOLDS, "int4", Q.Thresholds(top1=1.01, mean_kl=0.0, ppl_ratio=1.0))
+    assert plan_for_graph(g, "nvidia-a100-80gb").weight_quantization == "int4"  # the policy's own default pick
+    monkeypatch.setitem(Q.THRESHOLDS, "int4", Q.Thresholds(top1=1.01, mean_kl=0.0, ppl_ratio=1.0))  # cannot pass
+    monkeypatch.setitem(Q.THRESHOLDS, "int8", Q.Thresholds(top1=0.0, mean_kl=math.inf, ppl_ratio=math.inf))  # always
     out = run_gated(g, "nvidia-a100-80gb")
     d = out.result.plan.decision("weight_quantization")
-    assert [r.mode for r in out.rejected] == ["int4"] and d.value in ("int8", "none")
+    assert [r.mode for r in out.rejected] == ["int4"] and d.value == "int8" and out.gate.passed
     assert "rejected by the quality gate (measured top-1" in d.reason and "top-1 agreement" in d.reason
-    assert not out.result.graph.find("linear_wq") or d.value == "int8"
+    assert {n.attrs["bits"] for n in out.result.graph.find("linear_wq")} == {8}
 
 
 def test_explicit_quantize_below_threshold_warns_or_is_refused(tiny_dirs, monkeypatch):
