@@ -43,6 +43,18 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Ten
     return best[0], best[1]
 
 
+def rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest with the same per-group clip search, vectorized (GPTQ with H = I)."""
+    n, k = w.shape
+    qmax = 2 ** (bits - 1) - 1
+    wg = w.detach().float().reshape(n * (k // group_size), group_size)
+    s, off = group_params(wg, bits, symmetric)
+    base = off[:, None] if off is not None else 0.0
+    q = torch.round((wg - base) / s[:, None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(n, k)
+    ng = k // group_size
+    return q, s.reshape(n, ng), off.reshape(n, ng) if off is not None else None
+
+
 def gptq(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: int, symmetric: bool,
          damp: float = 0.01, block: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q int8 [N, K], scales [N, K/g], offsets [N, K/g] or None) of weight ``w`` [N, K]."""

@@ -52,12 +52,10 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[tor
     With ``gram`` (X^T X of the layer's inputs, rows) the codes come from GPTQ, else from
     round-to-nearest (GPTQ with an identity Hessian is exactly that).
     """
-    from portlayer.passes.gptq import gptq
+    from portlayer.passes.gptq import gptq, rtn
 
     sym = (bits == 8) if symmetric is None else symmetric
-    k = int(w.shape[1])
-    g, rows = gram if gram is not None else (torch.eye(k, dtype=torch.float64), 1)
-    q, s, off = gptq(w, g, rows, bits, group_size, sym, damp=0.01 if gram is not None else 0.0)
+    q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym) if gram is not None else rtn(w, bits, group_size, sym)
     return (pack_int4(q) if bits == 4 else q), s, off
 
 

@@ -61,3 +61,23 @@ def test_explicit_quantize_below_threshold_warns_or_is_refused(tiny_dirs, monkey
     doc = art.manifest.raw["quality_gate"]
     assert doc["explicit"] and not doc["compiled"]["passed"] and "below the quality gate" in doc["warning"]
     assert art.load().plan.weight_quantization == "int4"
+
+
+def test_gptq_with_identity_hessian_is_round_to_nearest_and_lowers_layer_error():
+    from portlayer.passes.gptq import gptq, rtn
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 256, generator=gen) * 0.05
+    for bits, g, sym in ((4, 128, False), (8, 256, True), (4, 64, True)):
+        q1, s1, o1 = rtn(w, bits, g, sym)
+        q2, s2, o2 = gptq(w, torch.eye(256, dtype=torch.float64), 1, bits, g, sym, damp=0.0)
+        assert torch.equal(q1, q2) and torch.equal(s1, s2)
+    # correlated inputs: GPTQ's output error ||X (W - Wq)^T|| is below round-to-nearest's
+    x = torch.randn(512, 32, generator=gen) @ torch.randn(32, 256, generator=gen)
+    q, s, o = gptq(w, x.T.double() @ x.double(), 512, 4, 128, False)
+    qr, sr, orr = rtn(w, 4, 128, False)
+
+    def deq(q, s, o):
+        return (q.float().reshape(48, 2, 128) * s[:, :, None] + o[:, :, None]).reshape(48, 256)
+
+    assert (x @ (w - deq(q, s, o)).T).norm() < 0.8 * (x @ (w - deq(qr, sr, orr)).T).norm()
