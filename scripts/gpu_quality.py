@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from portlayer.build import capture_cached
     from portlayer.builtin_models import resolve_model
-    from portlayer.flatten import capture
     from portlayer.passes.calibration import GATE_TEXT, token_ids
     from portlayer.passes.pipeline import run_pipeline
     from portlayer.passes.quality_gate import evaluate
+    from portlayer.runtime.cache import model_dir_hash
     from portlayer.runtime.validation import build_cases
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    graph = capture(str(resolve_model(args.gguf)))
+    model_dir = resolve_model(args.gguf)
+    graph = capture_cached(model_dir, model_dir_hash(model_dir), lambda _m: None)  # reused by a later run
     ids, how = token_ids(graph, GATE_TEXT, args.max_tokens)
     prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
     print(f"captured {graph.meta.get('model_type')} ({len(graph.nodes)} nodes) in {time.perf_counter() - t0:.0f} s; text: {how}")
