@@ -35,7 +35,9 @@ def _paths() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", required=True, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (or any llama-family GGUF)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf (or any llama-family GGUF)")
+    src.add_argument("--model", help="instead: an HF directory or a built-in name (tiny-llama: a smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--formats", nargs="+", default=["native", "int8", "int4"])
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    model_dir = resolve_model(args.gguf)
+    model_dir = resolve_model(args.gguf or args.model)
     graph = capture_cached(model_dir, model_dir_hash(model_dir), lambda _m: None)  # reused by a later run
     ids, how = token_ids(graph, GATE_TEXT, args.max_tokens)
     prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     base = evaluate(graph, graph, "none", ids, how, prompts, args.device, dtype)
     rows.append({"format": f"none ({args.dtype})", **base.to_json()})
-    for fmt in args.formats:
+    native = bool(graph.meta.get("source")) and (Path(graph.meta["source"]) / "gguf_native.json").is_file()
+    for fmt in [f for f in args.formats if f != "native" or native]:
         for method in args.methods if fmt != "native" else ["blocks"]:
             t1 = time.perf_counter()
             res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False,
