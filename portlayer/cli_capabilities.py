@@ -31,6 +31,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--quantization", default=None, help="force weight quantization (none, int8, int4)")
     p.add_argument("--capture", action="store_true", help="capture the model graph instead of reading config.json")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    p.add_argument("--gate", action="store_true",
+                   help="capture, quantize and run the quality gate on a lossy pick, as compile does (docs/quantization.md)")
     p.set_defaults(func=cmd_explain)
 
 
@@ -82,6 +84,12 @@ def load_requirements(model: str, capture: bool = False):
     from portlayer.errors import UsageError
 
     path = Path(model)
+    from portlayer.flatten.gguf_source import find_gguf
+
+    if path.exists() and find_gguf(path) is not None:  # a .gguf: its converted HF directory
+        from portlayer.builtin_models import resolve_model
+
+        path = Path(resolve_model(model))
     if (path / "graph.json").exists():
         from portlayer.flatten.serialize import load_graph
 
@@ -121,9 +129,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
         overrides["compute_dtype"] = args.dtype
     if args.quantization:
         overrides["weight_quantization"] = args.quantization
-    plan = negotiate(req, target, overrides)  # a PlanError is a user error: the CLI prints it, exit 2
+    # a PlanError is a user error: the CLI prints it, exit 2
+    if args.gate:
+        plan = _gated_plan(args.model, target, overrides)
+    else:
+        plan = negotiate(req, target, overrides, quality=_quality(args.model))
     print(plan.dumps() if args.json else plan.format_table())
     return 0
+
+
+def _quality(model: str) -> dict | None:
+    """Native GGUF blocks of the model source, which the policy keeps by default."""
+    from portlayer.flatten.gguf_source import native_summary
+
+    try:
+        from portlayer.builtin_models import resolve_model
+
+        native = native_summary(resolve_model(model))
+    except (FileNotFoundError, ValueError, RuntimeError):
+        native = None
+    return {"native": native} if native else None
+
+
+def _gated_plan(model: str, target, overrides: dict):
+    """The plan compile would use: the quality gate measured on the lossy pick, fallbacks with reasons."""
+    from portlayer.flatten.capture import capture as capture_graph
+    from portlayer.flatten.logits import select_logit_rows
+    from portlayer.passes.gated import run_gated
+
+    outcome = run_gated(select_logit_rows(capture_graph(model)), target, overrides)
+    for line in outcome.lines():
+        print(line)
+    if outcome.warning:
+        print(f"WARNING: {outcome.warning}")
+    return outcome.result.plan
 
 
 def main(argv: list[str] | None = None) -> int:
