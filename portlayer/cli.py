@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "portlayer.cli_capabilities",
     "portlayer.cli_compile",
     "portlayer.cli_run",
+    "portlayer.cli_serve",
 )
 
 
