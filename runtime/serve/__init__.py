@@ -7,6 +7,6 @@
 from __future__ import annotations
 
 from portlayer.runtime.serve.app import build_app
-from portlayer.runtime.serve.server import ServerThread, ServeError, serve_forever
+from portlayer.runtime.serve.server import ServeError, ServerThread, serve_forever
 
 __all__ = ["ServeError", "ServerThread", "build_app", "serve_forever"]

@@ -26,7 +26,12 @@ from portlayer.runtime.sequence import RequestRejected
 from portlayer.runtime.serve import generation as G
 from portlayer.runtime.serve.async_engine import AsyncEngine, EngineFailed, EngineOverloaded
 from portlayer.runtime.serve.metrics import ServeMetrics
-from portlayer.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from portlayer.runtime.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 
 
 @dataclass
