@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response
 
+from portlayer.runtime.chat import ChatTemplateError, has_chat_template, render_chat
 from portlayer.runtime.sequence import RequestRejected
 from portlayer.runtime.serve import generation as G
 from portlayer.runtime.serve.async_engine import AsyncEngine, EngineFailed, EngineOverloaded
@@ -111,9 +112,6 @@ def _completion_prompts(state: ServeState, prompt: Any) -> list[list[int]]:
 
 def _render_chat(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     tok = state.need_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template (its tokenizer has no chat_template.jinja), so chat "
-                       "messages cannot be rendered; use /v1/completions with a prompt", code="no_chat_template")  # fmt: skip
     messages = []
     for m in body.messages:
         d = m.model_dump(exclude_none=True)
@@ -123,12 +121,10 @@ def _render_chat(state: ServeState, body: ChatCompletionRequest) -> list[int]:
             d["content"] = "\n".join(str(part.get("text", "")) for part in m.content)
         messages.append(d)
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                                       **(body.chat_template_kwargs or {}))  # fmt: skip
-    except Exception as e:  # jinja2 errors, raise_exception() in the template
-        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                       param="messages") from None  # fmt: skip
-    return list(tok.encode(text, add_special_tokens=False))  # the template already placed any BOS
+        return render_chat(tok, messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        code = None if has_chat_template(tok) else "no_chat_template"
+        raise APIError(400, str(e), param="messages", code=code) from None
 
 
 def build_app(llm: Any, model_names: list[str], *, api_key: str | None = None, max_queue_len: int = 1024,
