@@ -36,6 +36,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     last_time: float | None = None
     started_role: bool = False  # chat streams open each choice with a role delta
 
@@ -57,6 +58,7 @@ class GenerationJob:
     arrival: float
     want_logprobs: int | None
     stream_usage: bool
+    token_ids: bool  # report token ids per choice / chunk (asked for, or the model has no tokenizer)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -73,21 +75,23 @@ class GenerationJob:
         self.state.engine.abort([c.rid for c in self.choices.values() if not c.done])
 
     # ---- one step's output for one choice ----------------------------------------------
-    def absorb(self, item: StepItem | BaseException) -> tuple[Choice, str]:
-        """Apply one queue item; the choice it belongs to and the text now safe to send."""
+    def absorb(self, item: StepItem | BaseException) -> tuple[Choice, str, bool]:
+        """Apply one queue item: its choice, the text now safe to send, and False if the item
+        was stale (its choice had already ended on a stop string)."""
         if isinstance(item, BaseException):
             self.abort_unfinished()
             raise APIError(500, str(item), type="server_error") if isinstance(item, EngineFailed) else item
         out, m = item.output, self.state.metrics
         c = self.choices[out.request_id]
         if c.done:  # already ended by a stop string; the engine is aborting it
-            return c, ""
+            return c, "", False
         if c.last_time is None:
             m.ttft.observe(item.time - self.arrival)
         else:
             m.itl.observe(item.time - c.last_time)
         c.last_time = item.time
         c.num_tokens += len(out.new_token_ids)
+        c.token_ids.extend(out.new_token_ids)
         m.generation_tokens.inc(len(out.new_token_ids))
         c.logprobs.extend(item.logprobs)
         delta = c.text.add(out.new_token_ids, final=out.finished)
@@ -103,7 +107,7 @@ class GenerationJob:
         if c.done:
             m.request_success.labels(c.finish_reason).inc()
             m.e2e.observe(item.time - self.arrival)
-        return c, delta
+        return c, delta, True
 
     # ---- bodies ----------------------------------------------------------------------
     def _logprobs_body(self, c: Choice, records: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
@@ -128,16 +132,20 @@ class GenerationJob:
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             lp = self._logprobs_body(c, c.logprobs, 0)
             if self.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                ch = {"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
             else:
-                choices.append({"index": c.index, "text": c.text.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+                ch = {"index": c.index, "text": c.text.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}  # fmt: skip
+            if self.token_ids:
+                ch["token_ids"] = list(c.token_ids)
+            choices.append(ch)
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         return {"id": self.obj_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}  # fmt: skip
 
-    def chunk(self, c: Choice, delta: str, records: list[TokenLogprob], sent_chars: int) -> dict[str, Any]:
+    def chunk(self, c: Choice, delta: str, records: list[TokenLogprob], sent_chars: int,
+              new_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
         lp = self._logprobs_body(c, records, sent_chars) if records else None
         if self.kind == "chat":
             d: dict[str, Any] = {"content": delta} if delta else {}
@@ -150,6 +158,8 @@ class GenerationJob:
             obj = "text_completion"
         if c.done:
             ch["stop_reason"] = c.stop_reason
+        if self.token_ids:
+            ch["token_ids"] = new_ids or []
         return {"id": self.obj_id, "object": obj, "created": self.created, "model": self.model, "choices": [ch],
                 "usage": None}  # fmt: skip
 
@@ -193,7 +203,8 @@ async def start_job(state: Any, kind: str, body: Any, model: str, prompts: list[
     choices = {rid: Choice(idx, rid, TextStream(state.llm.tokenizer, body.stop_strings()))
                for rid, idx in zip(rids, meta)}  # fmt: skip
     include = bool(body.stream_options and body.stream_options.include_usage)
-    return GenerationJob(state, kind, model, prompts, choices, queue, arrival, want_logprobs, include)
+    ids = body.return_token_ids or state.llm.tokenizer is None
+    return GenerationJob(state, kind, model, prompts, choices, queue, arrival, want_logprobs, include, ids)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -246,22 +257,26 @@ def stream_response(job: GenerationJob) -> Response:
     async def events() -> AsyncIterator[bytes]:
         sent = {rid: 0 for rid in job.choices}
         pending_lp: dict[str, list[TokenLogprob]] = {rid: [] for rid in job.choices}
+        pending_ids: dict[str, list[int]] = {rid: [] for rid in job.choices}
         if job.kind == "chat":  # the role first, as OpenAI and vLLM do
             for c in sorted(job.choices.values(), key=lambda c: c.index):
                 yield _sse(job.chunk(c, "", [], 0))
         while not all(c.done for c in job.choices.values()):
             item = await job.queue.get()
             try:
-                c, delta = job.absorb(item)
+                c, delta, fresh = job.absorb(item)
             except APIError as e:
                 yield _sse(e.body())
                 break
-            pending_lp[c.rid].extend(item.logprobs if isinstance(item, StepItem) else [])
-            if delta or c.done:
+            if not fresh:
+                continue
+            pending_lp[c.rid].extend(item.logprobs)
+            pending_ids[c.rid].extend(item.output.new_token_ids)
+            if delta or c.done or (job.token_ids and pending_ids[c.rid]):
                 records = pending_lp[c.rid] if job.want_logprobs is not None else []
-                yield _sse(job.chunk(c, delta, records, sent[c.rid]))
+                yield _sse(job.chunk(c, delta, records, sent[c.rid], pending_ids[c.rid]))
                 sent[c.rid] += len(delta)
-                pending_lp[c.rid] = []
+                pending_lp[c.rid], pending_ids[c.rid] = [], []
         if job.stream_usage:
             obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
             yield _sse({"id": job.obj_id, "object": obj, "created": job.created, "model": job.model, "choices": [],

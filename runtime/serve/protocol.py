@@ -45,6 +45,7 @@ class _Generation(BaseModel):
     stop: str | list[str | int] | None = None  # ints are token ids (as stop_token_ids)
     stop_token_ids: list[int] = Field(default_factory=list)  # vLLM extra
     ignore_eos: bool = False  # vLLM extra
+    return_token_ids: bool = False  # vLLM extra: each choice (and chunk) also carries its token ids
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
