@@ -69,26 +69,22 @@ def test_stream_and_stop(art, hf, capsys):
     assert capsys.readouterr().out == full[: full.find(stop)] + "\n"
 
 
-def test_chat_without_template_is_a_clear_error(root, capsys):
-    plain = root / "tiny-qwen3"  # chat_model_dir materialised it: the same model, no template
-    chat_model_dir(root)
-    assert main(["run", str(plain), "--chat", "--prompt", "hi", "--max-tokens", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "no chat template" in err and "Traceback" not in err
-
-
 def test_hf_cache_model_id(root, hf, capsys, monkeypatch):
     model, _ = hf
     hub = root / "hf-home" / "hub"
     repo = hub / "models--acme--tiny-chat"
     commit = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(chat_model_dir(root), repo / "snapshots" / commit)
+    chat_model_dir(root)
+    shutil.copytree(root / "tiny-qwen3", repo / "snapshots" / commit)  # the same weights, no chat template
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(root / "hf-home"))
     out = run_json(capsys, "acme/tiny-chat", "--prompt-ids", "4,8,15,16", "--max-tokens", "5", "--ignore-eos")
     assert out[0]["token_ids"] == hf_greedy(model, [4, 8, 15, 16], 5)
+    assert main(["run", "acme/tiny-chat", "--chat", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "Traceback" not in err
     assert main(["run", "acme/not-there", "--prompt-ids", "1", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert str(hub) in err and "Traceback" not in err

@@ -59,7 +59,7 @@ def test_serve_subprocess_streams_and_drains_on_sigterm(art):
             time.sleep(0.2)
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
-        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 60, "temperature": 0, "stream": True,
+        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 40, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=60) as r:
@@ -72,7 +72,7 @@ def test_serve_subprocess_streams_and_drains_on_sigterm(art):
             events += [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 60
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 40
         # uvicorn re-raises the captured signal once it has shut down, so the exit status is the signal's
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         err = proc.stderr.read()

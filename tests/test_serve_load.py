@@ -1,6 +1,6 @@
 """Load on loopback: many concurrent streaming clients, and clients that walk away mid-stream.
 
-Bounded: 64 clients x 4 requests x 8 tokens, 16 disconnecting clients; every wait has a deadline.
+Bounded: 64 clients x 4 requests x 6 tokens, 16 disconnecting clients; every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from serve_samples import chat_artifact, one_torch_thread, serving
 from portlayer.runtime.engine import LLMEngine
 from portlayer.runtime.sequence import SamplingParams
 
-CLIENTS, PER_CLIENT, MAX_TOKENS = 64, 4, 8
+CLIENTS, PER_CLIENT, MAX_TOKENS = 64, 4, 6
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def srv(art):
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+    return [torch.randint(0, 256, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]  # fmt: skip
 
 
@@ -121,3 +121,39 @@ def test_disconnecting_clients_free_the_kv_cache(srv):
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
     assert eng.num_steps - steps_before < 16 * 400 // 4, "the requests ran to completion instead of being aborted"
     assert not eng.requests
+
+
+def _wait_all_free(eng, timeout: float = 20.0) -> None:
+    bm, deadline = eng.block_manager, time.monotonic() + timeout
+    while (eng.has_unfinished() or bm.num_free_blocks != bm.num_blocks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not eng.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_non_streaming_client_that_times_out_is_aborted(srv):
+    eng = srv.llm
+    steps_before = eng.num_steps
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    _wait_all_free(eng)
+    assert eng.num_steps - steps_before < 480, "the request ran to completion instead of being aborted"
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(srv, monkeypatch):
+    eng, failed = srv.llm, []
+    real_step = eng.step
+
+    def step_once_failing():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("simulated device error")
+        return real_step()
+
+    monkeypatch.setattr(eng, "step", step_once_failing)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and "simulated device error" in r.json()["error"]["message"]
+    _wait_all_free(eng)
+    r2 = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+    assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 4
