@@ -33,6 +33,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     s.add_argument("--seed", type=int, default=None, help="seed of the shared stream for unseeded sampled requests")
     s.add_argument("--device", default="cpu", help="torch device when ARTIFACT is a model, not an artifact (default cpu)")
+    s.add_argument("--switch-interval-ms", type=float, default=1.0,
+                   help="Python's GIL switch interval in this process (default 1 ms; Python's own is 5): the engine "
+                        "thread waits at most this long for the GIL while the event loop streams")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=run_serve)
 
@@ -55,6 +58,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from portlayer.runtime.serve.server import bind
 
     bind(args.host, args.port).close()  # a busy port fails now, before minutes of loading
+    if args.switch_interval_ms > 0:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     engine = open_engine(args)
     names = args.served_model_name or [args.artifact]
     api_key = args.api_key or os.environ.get("PORTLAYER_API_KEY") or None
