@@ -157,3 +157,17 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(srv, monkeypat
     _wait_all_free(eng)
     r2 = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
     assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 4
+
+
+def test_abort_request_frees_blocks_wherever_the_request_is(art):
+    eng = LLMEngine.from_artifact(art, max_num_seqs=2)
+    bm, sp = eng.block_manager, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    first, second = eng.add_request(list(range(1, 40)), sp), eng.add_request([7] * 20, sp)
+    waiting = eng.add_request([9] * 30, sp)  # max_num_seqs=2: stays in the waiting queue
+    with one_torch_thread():
+        eng.step()
+    assert eng.requests[first].num_computed_tokens > 0 and eng.requests[waiting] in eng.scheduler.waiting
+    assert bm.num_free_blocks < bm.num_blocks
+    assert eng.abort_request(waiting) and eng.abort_request(first) and eng.abort_request(second)
+    assert not eng.abort_request(first) and not eng.abort_request("no-such-request")
+    assert bm.num_free_blocks == bm.num_blocks and not eng.has_unfinished() and not eng.requests
