@@ -14,8 +14,7 @@ import base64
 import hmac
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +42,7 @@ class ServeState:
     model_names: list[str]
     api_key: str | None
     root: str
+    token_cache: dict[int, str] = field(default_factory=dict)
 
     async def submit(self, subs: list[Any], queue: Any) -> list[str]:
         try:
@@ -72,12 +72,12 @@ class ServeState:
         return self.llm.tokenizer
 
     def token_text(self, token_id: int) -> str:
-        return _token_text(self.llm.tokenizer, token_id)
-
-
-@lru_cache(maxsize=65536)
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+        """One token's text (logprobs), cached per server: vocabularies are bounded."""
+        text = self.token_cache.get(token_id)
+        if text is None:
+            tok = self.llm.tokenizer
+            text = self.token_cache[token_id] = tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+        return text
 
 
 def _refuse_unsupported(body: Any) -> None:
