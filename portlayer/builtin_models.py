@@ -136,8 +136,8 @@ def _gguf_dir(p: Path) -> Path | None:
 
 
 def resolve_model(spec: str) -> Path:
-    """A local HF directory, a .gguf file (or a directory holding one), or a built-in name
-    (tiny-qwen3, all-minilm-l6-v2, smollm2-135m-instruct, ...)."""
+    """A local HF directory, a .gguf file (or a directory holding one), a built-in name
+    (tiny-qwen3, all-minilm-l6-v2, smollm2-135m-instruct, ...) or a model id in the local HF cache."""
     p = Path(spec).expanduser()
     if p.exists():
         return _gguf_dir(p) or p
@@ -148,7 +148,38 @@ def resolve_model(spec: str) -> Path:
         return minilm_path()
     if key in TINY:
         return materialize_tiny(key)
+    cached = hf_cached_model(spec)
+    if cached is not None:
+        return cached
     raise ModelNotFoundError(
-        f"model {spec!r} is neither a local directory nor a built-in example. "
-        f"Built-ins: {', '.join(builtin_names())}. Nothing is downloaded: pass a local HF directory."
+        f"model {spec!r} is neither a local directory, a built-in example nor a model id in the local Hugging Face "
+        f"cache ({hf_hub_cache()}; set HF_HUB_CACHE or HF_HOME to look elsewhere). "
+        f"Built-ins: {', '.join(builtin_names())}. Nothing is downloaded: pass a local HF directory, or fetch the "
+        f"model first (e.g. `huggingface-cli download {spec}`)."
     )
+
+
+def hf_hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded repos, read now (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def hf_cached_model(spec: str) -> Path | None:
+    """The snapshot directory of model id ``spec`` (org/name) in the local HF cache, offline; None if absent."""
+    import re
+
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(spec, cache_dir=hf_hub_cache(), local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None

@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = (
     "portlayer.cli_capabilities",
     "portlayer.cli_compile",
     "portlayer.cli_run",
+    "portlayer.cli_serve",
 )
 
 #: exit status of a process killed by SIGPIPE, as shells report it (what `cat` gives under `| head`)

@@ -210,6 +210,17 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop ``request_id`` wherever it is (waiting or running) and free its KV blocks now.
+
+        True if a live request was aborted; False for an unknown or already finished id (a
+        client that disconnects after its last token is not an error)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
