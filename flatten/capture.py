@@ -190,11 +190,25 @@ def position_offset(model: torch.nn.Module, accepts: set[str]) -> int:
     )
 
 
+def record_layer_masks(model: torch.nn.Module, accepts: set[str]) -> None:
+    """One eager forward that records the mask HF builds for each attention layer (hf_masks)."""
+    from portlayer.flatten.hf_masks import recording_masks
+
+    with recording_masks(model), torch.no_grad():
+        try:
+            _TokenStream(model, accepts).eval()(torch.randint(0, 8, (5,)), torch.arange(5))
+        except ValueError as e:
+            if "capture is refused" in str(e):
+                raise CaptureError(str(e)) from e
+            raise
+
+
 def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export.ExportedProgram:
     """torch.export (strict=False) of the flat-stream wrapper with a dynamic token dim."""
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
+    record_layer_masks(model, accepts)
     wrapper = _TokenStream(model, accepts, position_offset(model, accepts)).eval()
     n = min(7, max_tokens)
     ids = torch.randint(0, 8, (n,), dtype=torch.long)
@@ -220,6 +234,7 @@ def capture(
     dtype: torch.dtype | None = None,
     raise_patterns: bool = True,
     progress: Callable[[str], None] | None = None,
+    verify: bool = True,
 ) -> Graph:
     """Capture an HF model (an nn.Module or a local HF directory) as a Flat IR graph.
 
@@ -227,6 +242,9 @@ def capture(
     output is logits [num_tokens, vocab] for causal LMs, the last hidden state
     [num_tokens, hidden] for encoders, or pooled (and normalised) embeddings
     [num_seqs, hidden] for sentence-transformers directories.
+
+    ``verify`` (default) runs flatten/selfcheck.py: the graph against the model's own
+    forward at lengths crossing its windows; a mismatch raises SelfCheckError.
     """
     from portlayer.flatten.from_export import convert_exported_program
     from portlayer.flatten.patterns import raise_patterns as run_patterns
@@ -274,6 +292,7 @@ def capture(
     if raise_patterns:
         say("raising patterns to portable ops")
         graph = run_patterns(graph)
+    _verify(graph, module, verify, say)
     if st_info is not None and st_info.pooling is not None:
         from portlayer.flatten.pooling import append_pooling
 
@@ -281,3 +300,18 @@ def capture(
         if st_info.max_seq_length:
             graph.meta["max_seq_length"] = st_info.max_seq_length
     return graph
+
+
+def _verify(graph: Graph, module: torch.nn.Module, verify: bool, say: Callable[[str], None]) -> None:
+    """The capture self-check (flatten/selfcheck.py), or a warning that it was skipped."""
+    if not verify:
+        import warnings
+
+        msg = "capture self-check skipped (--no-verify): the graph was not compared with the model's own forward"
+        warnings.warn(msg, stacklevel=3)
+        say(msg)
+        return
+    from portlayer.flatten.selfcheck import self_check
+
+    say("self-check against the model's own forward")
+    self_check(graph, module)
