@@ -116,6 +116,7 @@ def compile(  # noqa: A001 - the public name users expect
     dtype: str | torch.dtype | None = None,
     quantize: str | None = None,
     progress: bool = True,
+    verify: bool = True,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
@@ -129,6 +130,8 @@ def compile(  # noqa: A001 - the public name users expect
     t0 = time.perf_counter()
     stages = Stages(progress)
     options = _options(dtype, quantize)
+    if not verify:  # skip the capture self-check (flatten/selfcheck.py); keyed apart in the cache
+        options["verify"] = False
     desc = resolve_target(target)
     src = _model_source(model)
     key = cache.cache_key(src.sha256, desc.sha256, options)

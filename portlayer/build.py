@@ -85,20 +85,20 @@ def target_label(desc: Descriptor) -> str:
 
 
 # ---- stages ---------------------------------------------------------------------------------
-def capture_cached(path: Path, model_sha: str, say: Callable[[str], None]) -> Graph:
+def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
     """Capture an HF directory, reusing an earlier capture of identical files and toolkit."""
     from portlayer.flatten import capture
     from portlayer.flatten.serialize import load_graph, save_graph
     from portlayer.runtime.cache import _sha, cache_root, toolkit_fingerprint
 
-    entry = cache_root() / "captured" / _sha([model_sha, toolkit_fingerprint()])[:24]
+    entry = cache_root() / "captured" / _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))[:24]
     if (entry / "graph.json").is_file():
         try:
             say("reusing an earlier capture")
             return load_graph(entry)
         except Exception:  # damaged entry: capture again
             shutil.rmtree(entry, ignore_errors=True)
-    graph = capture(path, progress=say)
+    graph = capture(path, progress=say, verify=verify)
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
         save_graph(graph, tmp)
@@ -169,9 +169,9 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         if isinstance(src.obj, Graph):
             graph = src.obj
         elif isinstance(src.obj, torch.nn.Module):
-            graph = capture(src.obj, progress=say)
+            graph = capture(src.obj, progress=say, verify=options.get("verify", True))
         else:
-            graph = capture_cached(src.path, src.sha256, say)
+            graph = capture_cached(src.path, src.sha256, say, verify=options.get("verify", True))
         from portlayer.flatten.logits import select_logit_rows
 
         graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows

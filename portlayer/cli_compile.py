@@ -19,6 +19,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="force the compute dtype (float32, bfloat16, float16)")
     p.add_argument("--quantize", default=None, choices=("none", "int8", "int4"), help="weight-only quantization")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the capture self-check against the model's own forward (warns)")
     p.set_defaults(func=run_compile)
 
     v = sub.add_parser("validate", help="re-run an artifact's validation set on this device",
@@ -58,7 +60,7 @@ def run_compile(args: argparse.Namespace) -> int:
     import portlayer
 
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
-                            quantize=args.quantize, progress=not args.no_progress)
+                            quantize=args.quantize, progress=not args.no_progress, verify=not args.no_verify)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")
