@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from portlayer.flatten import hf_attention
+from portlayer.flatten import hf_attention, hf_moe
 from portlayer.flatten.ir import Graph
 
 TOKEN_SYMBOL = "num_tokens"
@@ -90,6 +90,7 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
         model = cls.from_pretrained(str(p), **kwargs)
     except (OSError, ValueError) as e:
         raise CaptureError(f"could not load the model in {p}: {e}") from e
+    hf_moe.use_portlayer_experts(model)
     return model.eval()
 
 
@@ -99,6 +100,7 @@ def _set_attn_impl(model: torch.nn.Module) -> None:
         model.set_attn_implementation(hf_attention.IMPL_NAME)
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = hf_attention.IMPL_NAME
+    hf_moe.use_portlayer_experts(model)
 
 
 class _TokenStream(torch.nn.Module):

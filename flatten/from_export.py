@@ -202,9 +202,27 @@ def _renumber_attention_layers(g: Graph) -> None:
 
 def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_tokens") -> Graph:
     """Convert an ExportedProgram (pre-decomposition ATen) into a Flat IR Graph."""
-    from portlayer.flatten import from_export_compute, from_export_table  # noqa: F401  (fill _TABLE)
+    from portlayer.flatten import from_export_compute, from_export_moe, from_export_table  # noqa: F401  (fill _TABLE)
 
-    return Converter(ep, token_symbol).run()
+    return Converter(functionalized(ep), token_symbol).run()
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def functionalized(ep: ExportedProgram) -> ExportedProgram:
+    """In-place ops (``x /= s``, ``copy_`` into a view of a fresh tensor, ``scatter_``) made pure.
+
+    The op-by-op table maps values, not storage, so a mutation would be lost. torch.export's
+    own functionalization (run_decompositions with an empty table: no op is decomposed)
+    rewrites them into out-of-place ops and ``*_scatter`` writes. Graphs without mutations
+    are left exactly as exported.
+    """
+    if not any(_mutates(n) for n in ep.graph.nodes):
+        return ep
+    return ep.run_decompositions({})
 
 
 __all__ = ["Converter", "Sym", "UnsupportedOpError", "convert_exported_program", "lower", "module_path", "operator"]

@@ -89,7 +89,10 @@ def self_check(graph: Graph, model: torch.nn.Module, *, seed: int = 0) -> list[i
     probe = graph.copy()
     probe.outputs = list(graph.outputs) + [v for v in layer_vals.values() if v not in graph.outputs]
     impl = getattr(model.config, "_attn_implementation", None)
+    experts = getattr(model.config, "_experts_implementation", None)
     model.set_attn_implementation("eager")
+    if experts not in (None, "eager"):
+        model.set_experts_implementation("eager")
     gen = torch.Generator().manual_seed(seed)
     try:
         for n in lengths:
@@ -121,4 +124,6 @@ def self_check(graph: Graph, model: torch.nn.Module, *, seed: int = 0) -> list[i
     finally:
         if impl is not None:
             model.set_attn_implementation(impl)
+        if experts not in (None, "eager"):
+            model.set_experts_implementation(experts)
     return lengths
