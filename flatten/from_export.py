@@ -202,7 +202,12 @@ def _renumber_attention_layers(g: Graph) -> None:
 
 def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_tokens") -> Graph:
     """Convert an ExportedProgram (pre-decomposition ATen) into a Flat IR Graph."""
-    from portlayer.flatten import from_export_compute, from_export_moe, from_export_table  # noqa: F401  (fill _TABLE)
+    from portlayer.flatten import (  # noqa: F401  (fill _TABLE)
+        from_export_compute,
+        from_export_inplace,
+        from_export_moe,
+        from_export_table,
+    )
 
     return Converter(functionalized(ep), token_symbol).run()
 
