@@ -285,6 +285,7 @@ def capture(
     say("converting to the Flat IR")
     graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
     graph.meta.update(facts)
+    graph.meta.update(_kv_facts(graph))
     graph.meta["task"] = "causal_lm" if graph.meta.get("architectures") and any(
         a.endswith(("ForCausalLM", "LMHeadModel")) for a in graph.meta["architectures"]
     ) else "encoder"
@@ -317,3 +318,15 @@ def _verify(graph: Graph, module: torch.nn.Module, verify: bool, say: Callable[[
 
     say("self-check against the model's own forward")
     self_check(graph, module)
+
+
+def _kv_facts(graph: Graph) -> dict[str, Any]:
+    """KV-cache shape from the attention ops themselves (configs disagree: DeepSeek's
+    ``head_dim`` is its rope width, its expanded MLA keys are nope + rope wide, values v wide)."""
+    attn = graph.find("attention")
+    types = graph.value_types()
+    shapes = {(types[n.inputs[1]].shape[1], types[n.inputs[1]].shape[2], types[n.inputs[2]].shape[2]) for n in attn}
+    if len(shapes) != 1 or not all(isinstance(d, int) for d in next(iter(shapes))):
+        return {}
+    heads, k_dim, v_dim = next(iter(shapes))
+    return {"num_kv_heads": heads, "head_dim": k_dim, "v_head_dim": v_dim}

@@ -161,6 +161,10 @@ class Converter:
         return g
 
     def _call(self, node: torch.fx.Node) -> Any:
+        from portlayer.flatten.from_export_inplace import convert_mutation, mutates
+
+        if mutates(node):
+            return convert_mutation(self, node)
         target = node.target
         handler = _TABLE.get(target)
         if handler is None and hasattr(target, "overloadpacket"):
@@ -212,20 +216,18 @@ def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_token
     return Converter(functionalized(ep), token_symbol).run()
 
 
-def _mutates(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.is_mutable
-
-
 def functionalized(ep: ExportedProgram) -> ExportedProgram:
     """In-place ops (``x /= s``, ``copy_`` into a view of a fresh tensor, ``scatter_``) made pure.
 
-    The op-by-op table maps values, not storage, so a mutation would be lost. torch.export's
-    own functionalization (run_decompositions with an empty table: no op is decomposed)
-    rewrites them into out-of-place ops and ``*_scatter`` writes. Graphs without mutations
-    are left exactly as exported.
+    The op-by-op table maps values, not storage. Mutations of fresh tensors (and of one slice
+    of one) that no earlier view still reads are converted in place by the converter
+    (from_export_inplace.convert_mutation); anything else is rewritten by torch.export's own
+    functionalization (run_decompositions with an empty table: no op is decomposed), which
+    costs a second trace.
     """
-    if not any(_mutates(n) for n in ep.graph.nodes):
+    from portlayer.flatten.from_export_inplace import directly_convertible
+
+    if directly_convertible(ep.graph):
         return ep
     return ep.run_decompositions({})
 

@@ -67,3 +67,95 @@ def _select_scatter(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     d = dim % len(shape)
     piece = cv.reshape_to(src, tuple(shape[:d] + [1] + shape[d + 1:]))
     return _scatter_along(cv, node, base, piece, d, index, index + 1 if index != -1 else 2**62)
+
+
+# ---- in-place ops converted directly (no re-trace) -------------------------------------------
+
+_VIEWS = {aten.view, aten._unsafe_view, aten.slice, aten.select, aten.transpose, aten.permute, aten.expand,
+          aten.unsqueeze, aten.squeeze, aten.t, aten.alias, aten.detach, aten.as_strided, aten.unflatten,
+          aten.flatten, aten.view_as, aten.diagonal, aten.narrow, aten.split, aten.chunk, aten.unbind,
+          aten.split_with_sizes, aten.expand_as, aten.reshape, aten.unfold, aten.movedim, aten.swapaxes}
+
+
+def _packet(n: Node) -> object:
+    return getattr(n.target, "overloadpacket", None)
+
+
+def _is_view(n: Node) -> bool:
+    return n.op == "call_function" and _packet(n) in _VIEWS
+
+
+def mutates(n: Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _functional(n: Node) -> object | None:
+    name = n.target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, n.target._overloadname, None) if packet is not None else None
+
+
+def _is_copy_into(user: Node, view: Node) -> bool:
+    return _packet(user) is aten.copy_ and user.args[0] is view
+
+
+def directly_convertible(graph: torch.fx.Graph) -> bool:
+    """Every mutation writes a fresh tensor (or one slice/select of one) that no earlier view
+    still reads: then value-level conversion is exact. Anything else goes through
+    torch.export's functionalization instead (from_export.functionalized)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for m in graph.nodes:
+        if not mutates(m):
+            continue
+        t = m.args[0] if m.args else None
+        if not isinstance(t, Node) or _functional(m) is None:
+            return False
+        if _is_view(t):
+            if _packet(t) not in (aten.slice, aten.select) or list(t.users) != [m]:
+                return False
+            base = t.args[0]
+        else:
+            base = t
+        if not isinstance(base, Node) or base.op != "call_function" or _is_view(base):
+            return False  # a graph input, a parameter or a view chain
+        for v in base.users:
+            if v in (t, m) or not _is_view(v) or order[v] > order[m]:
+                continue
+            if len(v.users) == 1 and _is_copy_into(next(iter(v.users)), v):
+                continue  # a slice that is only ever overwritten
+            return False
+    return True
+
+
+def convert_mutation(cv: Converter, node: Node) -> str:
+    """Convert ``x.op_(...)`` as ``op(...)``; later readers of x (or of the base x is a slice
+    of) see the new value. Only called when directly_convertible() held for the graph."""
+    t = node.args[0]
+    original = node.target
+    node.target = _functional(node)
+    try:
+        out = cv._call(node)
+    finally:
+        node.target = original
+    if not _is_view(t):
+        cv.env[t.name] = out
+        return out
+    base = t.args[0]
+    if _packet(t) is aten.slice:
+        start = _slice_bound(cv, cv._resolve(t.args[2])) if len(t.args) > 2 else 0
+        end = _slice_bound(cv, cv._resolve(t.args[3])) if len(t.args) > 3 else None
+        if (len(t.args) > 4 and t.args[4] != 1) or isinstance(start, str) or isinstance(end, str):
+            raise UnsupportedOpError(f"in-place write into a strided or symbolic slice at FX node {node.name}")
+        new = _scatter_along(cv, node, cv.env[base.name], out, int(t.args[1]), int(start or 0),
+                             2**62 if end is None else int(end))
+    else:
+        dim, index = int(t.args[1]), int(t.args[2])
+        shape = list(cv.type_of(cv.env[base.name]).shape)
+        d = dim % len(shape)
+        piece = cv.reshape_to(out, tuple(shape[:d] + [1] + shape[d + 1:]))
+        new = _scatter_along(cv, node, cv.env[base.name], piece, d, index, index + 1 if index != -1 else 2**62)
+    cv.env[base.name] = new
+    return out

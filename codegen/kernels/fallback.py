@@ -31,5 +31,14 @@ def build_reference(ctx: GenContext, group: dict[str, Any], reason: str = "") ->
         n = ctx.nodes[name]
         ins = ", ".join(i if i is not None else "None" for i in n.inputs)
         outs = ", ".join(v.name for v in n.outputs)
-        lines.append(f"{outs}, = ref({n.op!r}, [{ins}], {n.attrs!r}, st)")
+        lines.append(f"{outs}, = ref({n.op!r}, [{ins}], {attrs_literal(n.attrs)}, st)")
     return GroupCode([], lines, [])
+
+
+def attrs_literal(attrs: dict[str, Any]) -> str:
+    """repr() of the attrs, with non-finite floats (masked_fill(-inf) in MoE routers) spelled
+    so that the generated program parses: repr(-inf) is a bare name."""
+    text = repr(attrs)
+    for bad, good in (("-inf", "float('-inf')"), ("inf", "float('inf')"), ("nan", "float('nan')")):
+        text = text.replace(f": {bad},", f": {good},").replace(f": {bad}}}", f": {good}}}")
+    return text
