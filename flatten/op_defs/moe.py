@@ -67,15 +67,15 @@ def moe_experts(
     """
     act = ACTIVATIONS[activation]
     inter = w_gate_up.shape[1] // 2
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    per_slot = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         if not 0 <= e < w_gate_up.shape[0]:
             continue
         tok, slot = torch.where(topk_ids == e)
         h = x[tok].float() @ w_gate_up[e].float().t()
         y = (act(h[:, :inter]) * h[:, inter:]) @ w_down[e].float().t()
-        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
-    return out.to(x.dtype)
+        per_slot[tok, slot] = y * topk_weights[tok, slot, None].float()
+    return per_slot.sum(dim=1).to(x.dtype)  # a fixed summation order, whatever the routing
 
 
 def _topk_infer(ins: list[TensorType | None], a: dict[str, Any]) -> list[TensorType]:
