@@ -165,6 +165,12 @@ class Converter:
 
         if mutates(node):
             return convert_mutation(self, node)
+        from portlayer.flatten.from_export_complex import convert_complex, is_complex
+
+        args = [self._resolve(a) for a in node.args]
+        kwargs = {k: self._resolve(v) for k, v in node.kwargs.items()}
+        if is_complex(args) or is_complex(list(kwargs.values())):
+            return convert_complex(self, node, args, kwargs)
         target = node.target
         handler = _TABLE.get(target)
         if handler is None and hasattr(target, "overloadpacket"):
@@ -175,8 +181,6 @@ class Converter:
                 "mapping to a portable op. Add a @lower handler in portlayer/flatten/from_export_table.py or from_export_compute.py "
                 "(or register a new op in flatten/op_defs/) and a test."
             )
-        args = [self._resolve(a) for a in node.args]
-        kwargs = {k: self._resolve(v) for k, v in node.kwargs.items()}
         return handler(self, node, args, kwargs)
 
     def _resolve(self, a: Any) -> Any:
@@ -207,6 +211,7 @@ def _renumber_attention_layers(g: Graph) -> None:
 def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_tokens") -> Graph:
     """Convert an ExportedProgram (pre-decomposition ATen) into a Flat IR Graph."""
     from portlayer.flatten import (  # noqa: F401  (fill _TABLE)
+        from_export_complex,
         from_export_compute,
         from_export_inplace,
         from_export_moe,

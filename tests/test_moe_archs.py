@@ -1,6 +1,6 @@
 """Mixture-of-experts decoders (Qwen3-MoE; GLM-4-MoE and DeepSeek-V3 with sigmoid, group-limited
 routing, score-correction bias, routed scaling and shared experts; DeepSeek-V3's MLA with
-``first_k_dense_replace=1``): interpret == HF forward, and the compiled CPU artifact generates
+``first_k_dense_replace=1``; DeepSeek-V2's complex rotary): interpret == HF forward, and the compiled CPU artifact generates
 HF's greedy tokens through the paged KV cache, with chunked prefill and with preemption.
 
 Routers are initialised away from HF's zeros (and biases made non-zero) so that routing is
@@ -31,7 +31,11 @@ MOE = {
         num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
         topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         routed_scaling_factor=2.5)),
+    "deepseek-v2-complex-rope": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM, dict(  # polar / complex multiply
+        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
 }
+GENERATE = ["qwen3-moe", "glm4-moe", "deepseek-v3"]
 NEW = 24
 
 
@@ -84,7 +88,7 @@ def _hf_generate(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", sorted(MOE))
+@pytest.mark.parametrize("name", GENERATE)
 def test_compiled_generation_matches_hf(moe_models, name, tmp_path):
     model, g = moe_models[name]
     art = tmp_path / "art"
