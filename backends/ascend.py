@@ -93,7 +93,8 @@ class AscendAdapter(BackendAdapter):
     # ---- the program ---------------------------------------------------------------
     def compile_program(self, result, out_dir) -> list:
         """The generated CANN op-call host program for a PipelineResult, written to out_dir."""
-        from portlayer.codegen.program import generate, write_program
+        from portlayer.backends.generate import generate
+        from portlayer.codegen.program import write_program
 
         gen = generate(result.graph, getattr(result, "plan", None), getattr(result, "descriptor", None) or self.descriptor)
         return write_program(gen, out_dir)

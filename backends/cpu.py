@@ -52,7 +52,8 @@ class CPUAdapter(BackendAdapter):
 
     def compile_program(self, result, out_dir) -> list:
         """The generated torch host program (reference-op calls in kernel order) for a PipelineResult."""
-        from portlayer.codegen.program import generate, write_program
+        from portlayer.backends.generate import generate
+        from portlayer.codegen.program import write_program
 
         gen = generate(result.graph, getattr(result, "plan", None), getattr(result, "descriptor", None) or self.descriptor)
         return write_program(gen, out_dir)

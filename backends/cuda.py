@@ -65,13 +65,13 @@ class CUDAAdapter(BackendAdapter):
     # ---- the program ---------------------------------------------------------------
     def compile_program(self, result, out_dir) -> list:
         """Generated Triton kernels and host program for a PipelineResult, written to out_dir."""
-        from portlayer.codegen.triton_backend import compile_program
+        from portlayer.backends.triton_program import compile_program
 
         return compile_program(result, out_dir, self.descriptor)
 
     def load_program(self, artifact_dir, weights, plan=None, **options):
         """The Executable (runtime/executable.py) for a compiled artifact on this device."""
-        from portlayer.codegen.triton_backend import load_program
+        from portlayer.backends.triton_program import load_program
 
         self._require()
         if not self.supports_graph_capture():

@@ -16,11 +16,20 @@ Predicates:
 ``traits`` steer fusion and memory planning: ``fusible`` (code can be generated into a
 larger kernel), ``epilogue`` (a GEMM that takes pointwise epilogues), ``inplace`` (may
 write its output over a dying input of the same size).
+
+Every implementation carries its **lowering**, the decorated function
+``lower(ctx, group) -> GroupCode`` that turns one kernel group (codegen/lowering.py) into
+code for its family. It is the only place a group becomes code: the fuse pass asks
+``accepts(query, nodes)`` before it grows a group whose anchor uses this implementation,
+and ``scratch(group)`` names the group-internal values the lowering writes to memory, so
+the memory plan gives them arena space. An implementation registered without a lowering
+is an error at import time.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +41,9 @@ Verdict = tuple[bool, str]
 SupportedFn = Callable[[Descriptor], Verdict]
 SupportsFn = Callable[[Node, Mapping[str, TensorType]], Verdict]
 MatchFn = Callable[[Node, "GraphView"], tuple["list[str] | None", str]]
+LowerFn = Callable[[Any, Any], Any]  # (codegen.lowering.LowerContext, KernelGroup) -> GroupCode
+AcceptFn = Callable[[Any, "list[Node]"], Verdict]  # (codegen.lowering.GroupQuery, compute nodes in order)
+ScratchFn = Callable[[Any], "list[str]"]  # KernelGroup -> internal values written to memory
 FAMILIES = ("torch", "triton", "cann")
 _MODULES = ("impls_torch", "impls_triton", "impls_cann")
 
@@ -46,7 +58,9 @@ class Impl:
     supports: SupportsFn
     match: MatchFn | None = None
     traits: Mapping[str, Any] = field(default_factory=dict)
-    emit: Callable[..., dict[str, Any]] | None = None
+    lower: LowerFn | None = None
+    accepts: AcceptFn | None = None
+    scratch: ScratchFn | None = None
 
     @property
     def fused(self) -> bool:
@@ -58,10 +72,20 @@ class Impl:
 
 
 _REGISTRY: dict[str, list[Impl]] = {}
+_PENDING: dict[str, str] = {}  # implementation name -> where it was declared, until its lowering arrives
+
+
+class RegistryError(RuntimeError):
+    """An implementation was declared without a lowering, or twice."""
 
 
 def _always(*_: Any) -> Verdict:
     return True, ""
+
+
+def single_node(query: Any, nodes: list[Node]) -> Verdict:
+    """The default ``accepts``: the lowering realises exactly one node."""
+    return (True, "") if len(nodes) == 1 else (False, f"{nodes[0].op} is realised alone (one node per call)")
 
 
 def implementation(
@@ -73,21 +97,29 @@ def implementation(
     supported: SupportedFn = _always,
     supports: SupportsFn = _always,
     match: MatchFn | None = None,
+    accepts: AcceptFn | None = None,
+    scratch: ScratchFn | None = None,
     **traits: Any,
-) -> Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]]:
-    """Register the decorated ``emit(node, types) -> dict`` (how codegen realises the node:
-    the vendor call or the template) as implementation ``name`` of ``op`` (or of each op)."""
+) -> Callable[[LowerFn], LowerFn]:
+    """Register the decorated lowering ``lower(ctx, group) -> GroupCode`` as implementation
+    ``name`` of ``op`` (or of each op). ``accepts`` defaults to one node per group."""
     if family not in FAMILIES:
         raise ValueError(f"implementation {name!r}: family {family!r} is not one of {FAMILIES}")
     ops = [op] if isinstance(op, str) else list(op)
+    caller = sys._getframe(1)
+    _PENDING[name] = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
-    def deco(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    def deco(fn: LowerFn) -> LowerFn:
+        if not callable(fn):
+            raise RegistryError(f"implementation {name!r}: the lowering must be a function, got {fn!r}")
         for o in ops:
             lst = _REGISTRY.setdefault(o, [])
             if any(i.name == name for i in lst):
-                raise ValueError(f"implementation {name!r} of op {o!r} is registered twice (second in {fn.__module__})")
-            lst.append(Impl(o, name, family, priority, supported, supports, match, dict(traits), fn))
+                raise RegistryError(f"implementation {name!r} of op {o!r} is registered twice (second in {fn.__module__})")
+            lst.append(Impl(o, name, family, priority, supported, supports, match, dict(traits), fn,
+                            accepts or single_node, scratch))
             lst.sort(key=lambda i: -i.priority)
+        _PENDING.pop(name, None)
         return fn
 
     return deco
@@ -96,12 +128,21 @@ def implementation(
 def _load() -> None:
     for m in _MODULES:
         importlib.import_module(f"portlayer.backends.{m}")
+    if _PENDING:
+        raise RegistryError("implementations declared without a lowering (call implementation(...) as a decorator "
+                            "on the lowering function): " + ", ".join(f"{n} at {w}" for n, w in sorted(_PENDING.items())))
+
+
+def all_impls() -> list[Impl]:
+    """Every registered implementation (one entry per op it implements)."""
+    _load()
+    return [i for lst in _REGISTRY.values() for i in lst]
 
 
 def candidates(op: str) -> list[Impl]:
-    """Implementations of ``op``, highest priority first."""
+    """Implementations of ``op`` that select may choose, highest priority first."""
     _load()
-    return list(_REGISTRY.get(op, []))
+    return [i for i in _REGISTRY.get(op, []) if not i.trait("fallback")]
 
 
 def find(name: str, op: str | None = None) -> Impl | None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portlayer.backends.impls import GraphView, Verdict, codegen_is, implementation, needs_feature
+from portlayer.backends.impls import GraphView, Verdict, codegen_is, find, implementation, needs_feature
+from portlayer.codegen import cann as C
+from portlayer.codegen.kernels.context import GenContext
+from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Node, TensorType
 from portlayer.flatten.ops import all_ops
 
@@ -20,23 +23,16 @@ HALF = ("float16", "bfloat16")
 VIEW_OPS = {n for n, d in all_ops().items() if d.kind == "view"}
 
 
-def _call(name: str, **extra: Any):
-    def emit(node: Node, types: Mapping[str, TensorType] | None = None) -> dict[str, Any]:
-        return {"call": name, **extra}
-
-    return emit
-
-
 # ---- generic aclnn ops (torch ops on the NPU dispatch to aclnnAdd, aclnnMatmul, ...) -----------------
 
 POINTWISE = sorted(n for n, d in all_ops().items() if d.kind == "pointwise" and n != "rope")
 implementation(POINTWISE, name="cann.elementwise", family="cann", priority=40, supported=CANN)(
-    _call("torch op on the NPU (aclnn elementwise)"))
+    C.cann_lowering(C.emit_elementwise))
 implementation(("rms_norm", "layer_norm", "softmax", "l2_normalize", "sum", "mean", "amax", "amin"), name="cann.aclnn_reduction",
-               family="cann", priority=40, supported=CANN)(_call("torch op on the NPU (aclnn reduction)"))
+               family="cann", priority=40, supported=CANN)(C.cann_lowering(C.emit_torch_op))
 # ascend-ops.md table: unquantized linear is torch.nn.functional.linear(x, W[out,in], b) (ops/linear.py:58).
 implementation(("linear", "matmul"), name="cann.linear", family="cann", priority=40, supported=CANN)(
-    _call("torch.nn.functional.linear"))
+    C.cann_lowering(C.emit_linear))
 
 
 # ---- rms_norm: §1 npu_rms_norm, §2 npu_add_rms_norm ----------------------------------------------------
@@ -55,7 +51,7 @@ def _norm_dtypes(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 implementation("rms_norm", name="cann.npu_rms_norm", family="cann", priority=50,
                supported=needs_feature("fused_rms_norm", codegen="cann"), supports=_norm_dtypes)(
-    _call("torch_npu.npu_rms_norm", returns="(y, rstd)"))
+    C.cann_lowering(C.emit_rms_norm))
 
 
 def _match_add_rms_norm(node: Node, view: GraphView) -> tuple[list[str] | None, str]:
@@ -77,7 +73,7 @@ def _match_add_rms_norm(node: Node, view: GraphView) -> tuple[list[str] | None, 
 
 implementation("rms_norm", name="cann.npu_add_rms_norm", family="cann", priority=60,
                supported=needs_feature("fused_add_rms_norm", codegen="cann"), match=_match_add_rms_norm)(
-    _call("torch_npu.npu_add_rms_norm", returns="(y, rstd, x_sum)"))
+    C.cann_lowering(C.emit_add_rms_norm))
 
 
 # ---- rope: §3 ------------------------------------------------------------------------------------------
@@ -134,9 +130,7 @@ def _mrope_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("rope", name="cann.npu_mrope", family="cann", priority=60,
-               supported=needs_feature("fused_rope", codegen="cann"), supports=_mrope_ok, match=_match_pair)(
-    _call("torch_npu.npu_mrope", mrope_section=[0, 0, 0], rotary_mode={"neox": "half", "gptj": "interleave"},
-          layout="q [T, Nq*D], k [T, Nk*D]"))
+               supported=needs_feature("fused_rope", codegen="cann"), supports=_mrope_ok, match=_match_pair)(C.cann_lowering(C.emit_rope))
 
 
 def _rot_emb_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -147,9 +141,7 @@ def _rot_emb_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 implementation("rope", name="cann._npu_rotary_embedding", family="cann", priority=50,
                supported=needs_feature("fused_rope", codegen="cann"), supports=_rot_emb_ok, match=_match_pair,
-               inplace=True)(
-    _call("torch_npu._npu_rotary_embedding", in_place=True,
-          note="ATB caches cos/sin in a C++ static on the first call (ascend-ops.md §3): one table per model"))
+               inplace=True)(C.cann_lowering(C.emit_rope))
 
 
 def _rotary_mul_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -162,9 +154,7 @@ def _rotary_mul_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("rope", name="cann.npu_rotary_mul", family="cann", priority=40,
-               supported=needs_feature("fused_rope", codegen="cann"), supports=_rotary_mul_ok)(
-    _call("torch_npu.npu_rotary_mul", rotary_mode={"neox": "half", "gptj": "interleave"},
-          note="cos/sin gathered by positions first"))
+               supported=needs_feature("fused_rope", codegen="cann"), supports=_rotary_mul_ok)(C.cann_lowering(C.emit_not_generated))
 
 
 # ---- silu * mul: §4 npu_swiglu -------------------------------------------------------------------------
@@ -189,10 +179,22 @@ def _match_swiglu(node: Node, view: GraphView) -> tuple[list[str] | None, str]:
 
 implementation("mul", name="cann.npu_swiglu", family="cann", priority=60,
                supported=needs_feature("fused_swiglu", codegen="cann"), match=_match_swiglu)(
-    _call("torch_npu.npu_swiglu", dim=-1))
+    C.cann_lowering(C.emit_swiglu))
 
 
 # ---- attention: §6, §7 ---------------------------------------------------------------------------------
+
+
+def _lower_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    """KV write + decode through _npu_paged_attention where it accepts the node, prefill through FIA."""
+    def emit(g: C.CannState, n: Node, grp: KernelGroup) -> None:
+        pa = find("cann._npu_paged_attention", "attention")
+        pa_ok, pa_why = pa.supports(n, g.types) if pa is not None else (False, "not registered")
+        C.emit_attention(g, n, grp, bool(pa_ok), pa_why)
+
+    emit.__name__ = "emit_attention"
+    return C.cann_lowering(emit)(ctx, group)
+
 
 
 def _fia_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -207,9 +209,7 @@ def _fia_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("attention", name="cann.npu_fused_infer_attention_score", family="cann", priority=60,
-               supported=needs_feature("flash_attention", codegen="cann"), supports=_fia_ok)(
-    _call("torch_npu.npu_fused_infer_attention_score", input_layout="TND", sparse_mode=3,
-          cache_write="torch_npu.npu_scatter_pa_kv_cache(cache_mode='Norm')"))
+               supported=needs_feature("flash_attention", codegen="cann"), supports=_fia_ok)(_lower_attention)
 
 
 def _pa_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -224,10 +224,7 @@ def _pa_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("attention", name="cann._npu_paged_attention", family="cann", priority=50,
-               supported=needs_feature("paged_attention", codegen="cann"), supports=_pa_ok)(
-    _call("torch_npu._npu_paged_attention", phases=["decode"],
-          prefill="torch.nn.functional.scaled_dot_product_attention per sequence (FIA refused)",
-          cache_write="torch_npu._npu_reshape_and_cache"))
+               supported=needs_feature("paged_attention", codegen="cann"), supports=_pa_ok)(_lower_attention)
 
 
 # ---- weight-only quantized linear: §9 -------------------------------------------------------------------
@@ -248,4 +245,4 @@ def _wq_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 implementation("linear_wq", name="cann.npu_weight_quant_batchmatmul", family="cann", priority=60,
                supported=needs_feature("weight_quant_matmul", codegen="cann"), supports=_wq_ok)(
-    _call("torch_npu.npu_weight_quant_batchmatmul", weight_layout="(K, N), int4 packed by npu_convert_weight_to_int4pack"))
+    C.cann_lowering(C.emit_not_generated))

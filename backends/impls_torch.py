@@ -1,14 +1,15 @@
 """torch implementations: every op on a torch-codegen target (the CPU), host-side data ops and
-views everywhere, and the vendor GEMM (cuBLAS / hipBLASLt / oneDNN through torch.nn.functional)."""
+views everywhere, the vendor GEMM (cuBLAS / hipBLASLt / oneDNN through torch.nn.functional), and
+``reference``: the op's semantics through torch when select found nothing else (never chosen by
+priority; select records it with a warning)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from portlayer.backends.impls import Verdict, codegen_is, implementation
 from portlayer.capabilities.descriptor import Descriptor
-from portlayer.flatten.ir import Node, TensorType
+from portlayer.codegen.kernels.context import GenContext
+from portlayer.codegen.kernels.fallback import build_reference, build_view
+from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ops import all_ops
 
 COMPUTE_KINDS = ("pointwise", "reduction", "gemm", "attention")
@@ -18,20 +19,22 @@ def _everywhere(d: Descriptor) -> Verdict:
     return True, "data movement, creation and views run as torch tensor ops on every backend"
 
 
-def _emit_torch(node: Node, types: Mapping[str, TensorType] | None = None) -> dict[str, Any]:
-    return {"call": f"portlayer.flatten.ops.get_op({node.op!r}).reference"}
+def _never(d: Descriptor) -> Verdict:
+    return False, "the reference fallback is recorded by select only when nothing else accepts a node"
 
 
 def _register_all() -> None:
     for name, opdef in sorted(all_ops().items()):
+        implementation(name, name="reference", family="torch", priority=-1, supported=_never, fallback=True)(
+            build_reference)
         if opdef.kind == "view":
             implementation(name, name="torch.view", family="torch", priority=100, supported=_everywhere,
-                           inplace=False)(_emit_torch)
+                           inplace=False)(build_view)
         elif opdef.kind in COMPUTE_KINDS:
             implementation(name, name=f"torch.{name}", family="torch", priority=0,
-                           supported=codegen_is("torch"))(_emit_torch)
+                           supported=codegen_is("torch"))(build_reference)
         else:
-            implementation(name, name=f"torch.{name}", family="torch", priority=0, supported=_everywhere)(_emit_torch)
+            implementation(name, name=f"torch.{name}", family="torch", priority=0, supported=_everywhere)(build_reference)
 
 
 _register_all()
@@ -42,10 +45,22 @@ def _vendor_blas(d: Descriptor) -> Verdict:
         return False, "torch codegen already runs torch.linear (registered as torch.linear)"
     if d.codegen == "cann":
         return False, "CANN targets call the linear through torch_npu (cann.linear)"
-    return True, f"{d.vendor} BLAS through torch.nn.functional.linear"
+    return True, f"{d.vendor} BLAS through torch"
 
 
 @implementation(("linear", "matmul"), name="vendor_gemm", family="torch", priority=10, supported=_vendor_blas)
-def vendor_gemm(node: Node, types: Mapping[str, TensorType] | None = None) -> dict[str, Any]:
-    """The device's BLAS (cuBLAS, hipBLASLt, oneDNN) through torch: no epilogue fusion."""
-    return {"call": "torch.nn.functional.linear" if node.op == "linear" else "torch.matmul"}
+def vendor_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    """The device's BLAS (cuBLAS, hipBLASLt, oneDNN) through torch, into the planned buffer."""
+    (n,) = group.nodes
+    out = n.outputs[0].name
+    if n.op == "matmul":
+        return GroupCode([], [f"torch.matmul({n.inputs[0]}, {n.inputs[1]}, out={out})"], [out])
+    x, w = n.inputs[0], n.inputs[1]
+    bias = n.inputs[2] if len(n.inputs) > 2 else None
+    k, m = ctx.types[w].shape[1], ctx.types[w].shape[0]
+    if ctx.types[x].rank != 2:  # rows of a higher-rank activation: 2-D views, no copies
+        x, dst = f"{x}.reshape(-1, {k})", f"{out}.view(-1, {m})"
+    else:
+        dst = out
+    line = (f"torch.addmm({bias}, {x}, W_T({w}), out={dst})" if bias else f"torch.mm({x}, W_T({w}), out={dst})")
+    return GroupCode([], [line], [out])

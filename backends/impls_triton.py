@@ -1,59 +1,67 @@
-"""Triton implementations (CUDA, ROCm, Intel XPU): generated kernels from codegen/templates/triton.
+"""Triton implementations (CUDA, ROCm, Intel XPU): generated kernels, each with its lowering.
 
-Each registration names the template family codegen renders; all are ``fusible`` (codegen can
-inline them into a larger kernel), and ``triton.gemm`` takes pointwise epilogues.
+The lowering (codegen/kernels/*.py builders) turns a kernel group into kernels and launch
+lines; ``accepts`` is what the fuse pass asks before it grows a group anchored on the
+implementation, so every group the pass forms is one the lowering takes whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from portlayer.backends.impls import Verdict, all_of, any_feature, codegen_is, implementation
 from portlayer.capabilities.descriptor import Descriptor
+from portlayer.codegen.expr import POINTWISE_OPS
+from portlayer.codegen.kernels.attention import build_attention
+from portlayer.codegen.kernels.embedding import build_embedding
+from portlayer.codegen.kernels.gemm import accepts_gemm, build_gemm, gemm_scratch
+from portlayer.codegen.kernels.pointwise import accepts_pointwise, build_pointwise
+from portlayer.codegen.kernels.reduction import accepts_reduction, build_reduction
+from portlayer.codegen.kernels.rope import accepts_rope, build_rope
+from portlayer.codegen.spec import FLOAT_DTYPES, TL_DTYPE
 from portlayer.flatten.ir import Node, TensorType
 from portlayer.flatten.ops import all_ops
 
 TRITON = codegen_is("triton")
-FLOATS = ("float32", "float16", "bfloat16")
 
 
 def _dtype_has_throughput(d: Descriptor) -> Verdict:
-    missing = [dt for dt in ("float32",) if d.tflops(dt) is None]
-    return (False, f"descriptor {d.name} lists no fp32 throughput") if missing else (True, "")
+    return (False, f"descriptor {d.name} lists no fp32 throughput") if d.tflops("float32") is None else (True, "")
 
 
 def _float_out(node: Node, types: Mapping[str, TensorType]) -> Verdict:
     dt = node.outputs[0].type.dtype
-    return (True, "") if dt in FLOATS else (False, f"output dtype {dt} is not a float the template handles")
+    return (True, "") if dt in FLOAT_DTYPES else (False, f"output dtype {dt} is not a float the template handles")
+
+
+def _pointwise_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+    if node.op not in POINTWISE_OPS:
+        return False, f"{node.op} has no Triton expression (codegen/expr.py)"
+    for v in [*node.inputs, node.outputs[0].name]:
+        if v is not None and (types[v].dtype if v in types else node.outputs[0].type.dtype) not in TL_DTYPE:
+            return False, f"dtype of {v} has no Triton spelling"
+    return True, ""
 
 
 def _last_dim_static(node: Node, types: Mapping[str, TensorType]) -> Verdict:
     d = node.outputs[0].type.shape[-1] if node.outputs[0].type.rank else 1
     if not isinstance(d, int):
         return False, f"the normalised axis has symbolic size {d!r}; the row kernel needs a static BLOCK_N"
-    return True, ""
-
-
-def _template(name: str):
-    def emit(node: Node, types: Mapping[str, TensorType] | None = None) -> dict[str, Any]:
-        return {"template": f"triton/{name}.py.j2"}
-
-    return emit
+    if node.op == "softmax" and node.attrs.get("dim", -1) not in (-1, node.outputs[0].type.rank - 1):
+        return False, "softmax over a non-last axis"
+    return _float_out(node, types)
 
 
 POINTWISE = sorted(n for n, d in all_ops().items() if d.kind == "pointwise" and n != "rope")
 implementation(POINTWISE, name="triton.pointwise", family="triton", priority=50, supported=TRITON,
-               fusible=True, inplace=True)(_template("pointwise"))
+               supports=_pointwise_ok, accepts=accepts_pointwise, fusible=True, inplace=True)(build_pointwise)
 
 implementation("rms_norm", name="triton.rms_norm", family="triton", priority=50, supported=TRITON,
-               supports=_last_dim_static, fusible=True, inplace=True)(_template("rms_norm"))
+               supports=_last_dim_static, accepts=accepts_reduction, fusible=True, inplace=True)(build_reduction)
 implementation("layer_norm", name="triton.layer_norm", family="triton", priority=50, supported=TRITON,
-               supports=_last_dim_static, fusible=True, inplace=True)(_template("layer_norm"))
-implementation(("softmax", "l2_normalize"), name="triton.row_reduction", family="triton", priority=50,
-               supported=TRITON, supports=_last_dim_static, fusible=True, inplace=True)(_template("row_reduction"))
-implementation(("sum", "mean", "amax", "amin"), name="triton.reduction", family="triton", priority=50,
-               supported=TRITON, fusible=False)(_template("reduction"))
+               supports=_last_dim_static, accepts=accepts_reduction, fusible=True, inplace=True)(build_reduction)
+implementation("softmax", name="triton.softmax", family="triton", priority=50, supported=TRITON,
+               supports=_last_dim_static, accepts=accepts_reduction, fusible=True, inplace=True)(build_reduction)
 
 
 def _rope_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -61,47 +69,65 @@ def _rope_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
         return False, f"rope style {node.attrs.get('style')!r} has no template"
     if node.attrs.get("rotary_dim", 0) % 2:
         return False, f"rotary_dim {node.attrs['rotary_dim']} is odd"
-    return True, ""
+    t = types[node.inputs[0]]
+    if t.rank != 3 or not all(isinstance(d, int) for d in t.shape[1:]):
+        return False, f"rope input {t} is not [T, H, D] with static H and D"
+    return _float_out(node, types)
 
 
 implementation("rope", name="triton.rope", family="triton", priority=50, supported=TRITON, supports=_rope_ok,
-               fusible=True, inplace=True)(_template("rope"))
+               accepts=accepts_rope, fusible=True, inplace=True)(build_rope)
+
+
+def _embedding_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+    w = types[node.inputs[0]]
+    if w.rank != 2 or not isinstance(w.shape[1], int):
+        return False, f"embedding table {w} is not [vocab, static width]"
+    return _float_out(node, types)
+
 
 implementation("embedding", name="triton.embedding", family="triton", priority=50, supported=TRITON,
-               fusible=False)(_template("embedding"))
+               supports=_embedding_ok)(build_embedding)
 
 
 def _gemm_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
-    ok, why = _float_out(node, types)
-    if not ok:
-        return ok, why
-    if node.op == "matmul" and types[node.inputs[0]].rank != 2:
-        return False, "batched matmul has no template; the vendor BLAS handles it"
-    return True, ""
+    x = types[node.inputs[0]]
+    if x.rank != 2 or not isinstance(x.shape[1], int):
+        return False, f"activation {x} is not [rows, static K]"
+    if x.dtype not in FLOAT_DTYPES:
+        return False, f"activation dtype {x.dtype} is not a float"
+    return _float_out(node, types)
 
 
-implementation(("linear", "matmul"), name="triton.gemm", family="triton", priority=30,
+implementation("linear", name="triton.gemm", family="triton", priority=30,
                supported=all_of(TRITON, any_feature("tensor_cores", "matrix_cores", "xmx"), _dtype_has_throughput),
-               supports=_gemm_ok, fusible=True, epilogue=True)(_template("gemm"))
+               supports=_gemm_ok, accepts=accepts_gemm, scratch=gemm_scratch, fusible=True, epilogue=True)(build_gemm)
 
 
 def _wq_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
-    g, k = node.attrs.get("group_size"), types[node.inputs[0]].shape[-1]
-    if isinstance(k, int) and g and g != k and g % 16:
-        return False, f"group size {g} is not a multiple of 16 (BLOCK_K must hold whole groups)"
+    ok, why = _gemm_ok(node, types)
+    if not ok:
+        return ok, why
+    bits, g = int(node.attrs.get("bits", 8)), int(node.attrs.get("group_size") or 0)
+    tile = 32 if bits == 4 else 16
+    if not g or g % tile:
+        return False, f"group size {g} is not a multiple of {tile} (a K tile of the {bits}-bit kernel lies in one group)"
     return True, ""
 
 
 implementation("linear_wq", name="triton.gemm_wq", family="triton", priority=30, supported=TRITON,
-               supports=_wq_ok, fusible=True, epilogue=True)(_template("gemm_wq"))
+               supports=_wq_ok, accepts=accepts_gemm, fusible=True, epilogue=True)(build_gemm)
 
 
 def _attn_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
     d = node.attrs.get("head_dim", 0)
     if d > 256:
         return False, f"head_dim {d} > 256 does not fit the K/V tiles in shared memory"
-    return True, ""
+    q, k, v = (types[i] for i in node.inputs[:3])
+    if v.shape[-1] != q.shape[-1] or int(q.shape[1]) % int(k.shape[1]):
+        return False, "the kernels want v's head_dim equal to q's and Hq a multiple of Hkv"
+    return _float_out(node, types)
 
 
 implementation("attention", name="triton.paged_attention", family="triton", priority=50, supported=TRITON,
-               supports=_attn_ok, fusible=False)(_template("paged_attention"))
+               supports=_attn_ok)(build_attention)

@@ -57,12 +57,12 @@ class XPUAdapter(BackendAdapter):
         return False  # no XPU graph API is used; decode launches eagerly
 
     def compile_program(self, result, out_dir) -> list:
-        from portlayer.codegen.triton_backend import compile_program
+        from portlayer.backends.triton_program import compile_program
 
         return compile_program(result, out_dir, self.descriptor)
 
     def load_program(self, artifact_dir, weights, plan=None, **options):
-        from portlayer.codegen.triton_backend import load_program
+        from portlayer.backends.triton_program import load_program
 
         self._xpu()
         options["use_graphs"] = False

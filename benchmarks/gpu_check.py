@@ -60,16 +60,16 @@ def hf_qwen3(tiny: bool, dtype: torch.dtype):
 
 
 def compile_program(graph, device: str, out: Path, **plan_overrides):
-    from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import plan_for_graph
-    from portlayer.codegen.program import generate, load_program, write_program
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import load_program, write_program
+    from portlayer.passes.pipeline import run_pipeline
 
-    desc = load_descriptor("nvidia-h200")
-    plan = plan_for_graph(graph, desc, plan_overrides or None)
     t0 = time.time()
-    gen = generate(graph, plan, desc)
+    r = run_pipeline(graph, "nvidia-h200", overrides=plan_overrides or None)
+    plan = r.plan
+    gen = generate(r.graph, plan, r.descriptor)
     write_program(gen, out)
-    prog = load_program(out, graph.weights, device, max_tokens=512, max_seqs=64,
+    prog = load_program(out, r.graph.weights, device, max_seqs=64,
                         capture_sizes=plan.graph_capture_sizes if device == "cuda" else ())
     return prog, plan, time.time() - t0, gen
 

@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 
-from portlayer.codegen.host import GeneratedProgram, _weights_prefixed
 from portlayer.codegen.host_support import HostProgram
-from portlayer.codegen.kernels.context import host_dim
-from portlayer.codegen.render import render
+from portlayer.codegen.kernels.context import GenContext, host_dim
+from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Graph, Node
 from portlayer.flatten.op_defs.attention import attention_reference, read_kv_cache
 
@@ -42,8 +41,12 @@ ROPE_MODE = {"neox": "half", "gptj": "interleave"}
 
 
 @dataclass
-class _Gen:
+class CannState:
+    """Program-wide state of CANN codegen: load-time conversions, attention methods, calls used.
+    The lowerings in backends/impls_cann.py write through it; ``template_vars`` feeds the template."""
+
     graph: Graph
+    plan: Any = None
     lines: list[str] = field(default_factory=list)
     prepare: list[str] = field(default_factory=list)  # load-time weight conversions (W.* names)
     attn_methods: list[dict[str, Any]] = field(default_factory=list)
@@ -59,6 +62,16 @@ class _Gen:
         self.prod = self.graph.producers()
         self.users = self.graph.users()
         self.params = set(self.graph.params)
+        _plan_swiglu(self)
+
+    def template_vars(self) -> dict[str, Any]:
+        block = 128
+        if self.plan is not None:
+            try:
+                block = int(self.plan.value("kv_block_size") or block)
+            except (KeyError, TypeError, ValueError):
+                pass
+        return {"prepare": self.prepare, "attn": self.attn_methods, "calls": self.calls, "block_size": block}
 
     def emit(self, line: str) -> None:
         self.lines.append(line)
@@ -78,7 +91,7 @@ def _shape(t: Any) -> str:
 # ---- gate/up -> one GEMM + npu_swiglu ------------------------------------------------------------
 
 
-def _plan_swiglu(g: _Gen) -> None:
+def _plan_swiglu(g: CannState) -> None:
     """Find silu(linear(x, Wg)) * linear(x, Wu) with private intermediates and no bias: at load,
     W_gate_up = cat(Wg, Wu) (gate first, as npu_swiglu wants); in the step, one F.linear + npu_swiglu."""
     for mul in g.graph.nodes:
@@ -113,7 +126,7 @@ def _plan_swiglu(g: _Gen) -> None:
 # ---- per node ---------------------------------------------------------------------------------
 
 
-def _ref(g: _Gen, n: Node, reason: str, group: str) -> None:
+def _ref(g: CannState, n: Node, reason: str, group: str) -> None:
     ins = ", ".join(g.w(i) for i in n.inputs)
     outs = ", ".join(v.name for v in n.outputs)
     g.emit(f"{outs}, = ref({n.op!r}, [{ins}], {n.attrs!r}, st)  # reference op (torch): {reason}")
@@ -125,7 +138,7 @@ def _refused(n: Node) -> str:
     return "; ".join(f"{x['impl']}: {x['reason']}" for x in r) or "no CANN call selected"
 
 
-def _gamma(g: _Gen, n: Node) -> str:
+def _gamma(g: CannState, n: Node) -> str:
     w = n.inputs[1]
     off = n.attrs.get("weight_offset") or 0.0
     if not off:
@@ -137,7 +150,7 @@ def _gamma(g: _Gen, n: Node) -> str:
     return f"W.{name}"
 
 
-def _rope_table(g: _Gen, table: str, dtype: str) -> str:
+def _rope_table(g: CannState, table: str, dtype: str) -> str:
     name = f"{table}_{dtype}"
     line = (f"W.{name} = W.{table}.to(torch.{dtype}).contiguous()  # [max_pos, rot], cos half first: "
             "converted once at load")
@@ -146,53 +159,88 @@ def _rope_table(g: _Gen, table: str, dtype: str) -> str:
     return f"W.{name}"
 
 
-def _node(g: _Gen, n: Node, group: dict[str, Any]) -> None:
-    impl = n.meta.get("impl", "reference")
-    if n.name in g.skip or n.meta.get("fused_into"):
-        return
+def cann_lowering(emit: Any) -> Any:
+    """A lowering from a per-node emitter: the group's nodes in order, absorbed nodes skipped
+    (the vendor call of their root realises them)."""
+    def lower(ctx: GenContext, group: KernelGroup) -> GroupCode:
+        g: CannState = ctx.cann  # type: ignore[attr-defined]
+        g.lines = []
+        for n in group.nodes:
+            if n.name in g.skip or n.meta.get("fused_into"):
+                continue
+            emit(g, n, group)
+        return GroupCode([], list(g.lines), [])
+
+    lower.__name__ = lower.__qualname__ = f"lower_{emit.__name__}"
+    lower.__doc__ = emit.__doc__
+    return lower
+
+
+def emit_elementwise(g: CannState, n: Node, group: KernelGroup) -> None:
+    """aclnn elementwise through torch; the mul of a planned gate|up pair becomes npu_swiglu (§4)."""
+    if n.name in g.swiglu_mul:
+        g.call("npu_swiglu")
+        g.emit(f"{n.outputs[0].name} = npu.npu_swiglu({g.swiglu_mul[n.name]}, dim=-1)  # silu(gate) * up, gate = first half (§4)")
+    else:
+        _ref(g, n, f"{n.meta.get('impl')}: a torch op (aclnn on the NPU)", group.name)
+
+
+def emit_torch_op(g: CannState, n: Node, group: KernelGroup) -> None:
+    """A torch op on the NPU (aclnn reductions and the like)."""
+    _ref(g, n, f"{n.meta.get('impl')}: a torch op (aclnn on the NPU)", group.name)
+
+
+def emit_not_generated(g: CannState, n: Node, group: KernelGroup) -> None:
+    """A registered vendor call this generator does not emit yet: the reference op, said loudly."""
+    _ref(g, n, f"{n.meta.get('impl')}: no CANN call generated for it yet ({_refused(n)})", group.name)
+
+
+def emit_linear(g: CannState, n: Node, group: KernelGroup) -> None:
+    """torch.nn.functional.linear(x, W[out, in], b); the gate of a gate|up pair runs both at once."""
     out = n.outputs[0].name
-    gname = group["name"]
-    if n.op == "reshape":
-        g.emit(f"{out} = {n.inputs[0]}.reshape({_shape(n.outputs[0].type)})")
-    elif n.name in g.swiglu:
+    if n.name in g.swiglu:
         merged, value = g.swiglu[n.name]
         g.emit(f"{value} = F.linear({n.inputs[0]}, W.{merged})  # gate|up in one GEMM (weights concatenated at load)")
-    elif n.name in g.swiglu_mul:
-        g.call("npu_swiglu")
-        g.emit(f"{out} = npu.npu_swiglu({g.swiglu_mul[n.name]}, dim=-1)  # silu(gate) * up, gate = first half (§4)")
-    elif impl == "cann.linear" and n.op == "linear":
+    elif n.op == "linear":
         b = g.w(n.inputs[2] if len(n.inputs) > 2 else None)
         g.emit(f"{out} = F.linear({n.inputs[0]}, {n.inputs[1]}, {b})")
-    elif impl == "cann.npu_rms_norm":
-        g.call("npu_rms_norm")
-        g.emit(f"{out}, _ = npu.npu_rms_norm({n.inputs[0]}, {_gamma(g, n)}, {n.attrs.get('eps', 1e-6)!r})  # (y, rstd) §1")
-    elif impl == "cann.npu_add_rms_norm":
-        g.call("npu_add_rms_norm")
-        add = g.nodes[n.meta["absorbs"][0]]
-        s = add.outputs[0].name
-        keep = s in group["outputs"] or s in g.graph.outputs
-        g.emit(f"{out}, _, {s if keep else '_'} = npu.npu_add_rms_norm({add.inputs[0]}, {add.inputs[1]}, {_gamma(g, n)}, "
-               f"{n.attrs.get('eps', 1e-6)!r})  # (y, rstd, x1 + x2) §2")
-    elif impl in ("cann.npu_mrope", "cann._npu_rotary_embedding") and n.meta.get("absorbs"):
-        _rope(g, n, impl)
-    elif impl == "cann.npu_swiglu":
-        silu = g.nodes[n.meta["absorbs"][0]]
-        src = g.prod[silu.inputs[0]].inputs[0]
-        g.call("npu_swiglu")
-        g.emit(f"{out} = npu.npu_swiglu({src}, dim=-1)  # gate = first half (§4)")
-    elif n.op == "attention":
-        _attention(g, n, impl, group)
-    elif impl == "torch.embedding":
-        g.emit(f"{out} = F.embedding({n.inputs[1]}, {n.inputs[0]})  # torch op (aclnnEmbedding on the NPU)")
-    elif impl == "torch.index_select":
-        g.emit(f"{out} = {n.inputs[0]}.index_select({n.attrs.get('dim', 0)}, {n.inputs[1]})  # torch op (rows to sample)")
-    elif impl.startswith("torch.") or impl in ("cann.elementwise", "cann.aclnn_reduction"):
-        _ref(g, n, f"{impl}: a torch op (aclnn on the NPU)", gname)
     else:
-        _ref(g, n, f"{impl}: no CANN call generated ({_refused(n)})", gname)
+        g.emit(f"{out} = torch.matmul({n.inputs[0]}, {n.inputs[1]})")
 
 
-def _rope(g: _Gen, n: Node, impl: str) -> None:
+def emit_rms_norm(g: CannState, n: Node, group: KernelGroup) -> None:
+    """npu_rms_norm(x, gamma, eps) -> (y, rstd) (§1)."""
+    g.call("npu_rms_norm")
+    g.emit(f"{n.outputs[0].name}, _ = npu.npu_rms_norm({n.inputs[0]}, {_gamma(g, n)}, {n.attrs.get('eps', 1e-6)!r})  # (y, rstd) §1")
+
+
+def emit_add_rms_norm(g: CannState, n: Node, group: KernelGroup) -> None:
+    """npu_add_rms_norm(x1, x2, gamma, eps) -> (y, rstd, x1 + x2) (§2)."""
+    g.call("npu_add_rms_norm")
+    add = g.nodes[n.meta["absorbs"][0]]
+    s = add.outputs[0].name
+    keep = s in group.outputs or s in g.graph.outputs or any(u.name not in group.node_names for u in g.users.get(s, []))
+    g.emit(f"{n.outputs[0].name}, _, {s if keep else '_'} = npu.npu_add_rms_norm({add.inputs[0]}, {add.inputs[1]}, "
+           f"{_gamma(g, n)}, {n.attrs.get('eps', 1e-6)!r})  # (y, rstd, x1 + x2) §2")
+
+
+def emit_rope(g: CannState, n: Node, group: KernelGroup) -> None:
+    """The q/k pair in one call (npu_mrope, or _npu_rotary_embedding in place) (§3)."""
+    if n.meta.get("absorbs"):
+        _rope(g, n, n.meta["impl"])
+    else:
+        emit_not_generated(g, n, group)
+
+
+def emit_swiglu(g: CannState, n: Node, group: KernelGroup) -> None:
+    """npu_swiglu(gate_up, dim=-1) on the two halves of one tensor (§4)."""
+    silu = g.nodes[n.meta["absorbs"][0]]
+    src = g.prod[silu.inputs[0]].inputs[0]
+    g.call("npu_swiglu")
+    g.emit(f"{n.outputs[0].name} = npu.npu_swiglu({src}, dim=-1)  # gate = first half (§4)")
+
+
+def _rope(g: CannState, n: Node, impl: str) -> None:
     """The q/k pair in one call; ``n`` is the k rope (the root), its partner the q rope."""
     qn = g.nodes[n.meta["absorbs"][0]]
     kn = n
@@ -215,21 +263,18 @@ def _rope(g: _Gen, n: Node, impl: str) -> None:
     g.emit(f"{qn.outputs[0].name}, {kn.outputs[0].name} = _q.view({_shape(qt)}), _k.view({_shape(kt)})")
 
 
-def _attention(g: _Gen, n: Node, impl: str, group: dict[str, Any]) -> None:
-    from portlayer.backends.impls import find
-
+def emit_attention(g: CannState, n: Node, group: KernelGroup, pa_ok: bool, pa_why: str) -> None:
+    """KV write + _npu_paged_attention for decode (when ``pa_ok``) + npu_fused_infer_attention_score (§5-§7)."""
+    impl = n.meta.get("impl", "reference")
     q, k, v = n.inputs[:3]
     a = n.attrs
     if impl not in ("cann.npu_fused_infer_attention_score", "cann._npu_paged_attention"):
-        _ref(g, n, f"attention {impl}: {_refused(n)}", group["name"])
+        _ref(g, n, f"attention {impl}: {_refused(n)}", group.name)
         return
-    types = g.types
-    pa = find("cann._npu_paged_attention", "attention")
-    pa_ok, pa_why = pa.supports(n, types) if pa is not None else (False, "not registered")
     fia = impl == "cann.npu_fused_infer_attention_score"
-    emit = find(impl, "attention").emit(n, types)
-    cache_write = "npu_scatter_pa_kv_cache" if "npu_scatter_pa_kv_cache" in emit.get("cache_write", "") \
-        else "_npu_reshape_and_cache"
+    # FIA reads the cache it writes with npu_scatter_pa_kv_cache (Norm layout, §5); the ATB path
+    # writes with _npu_reshape_and_cache (int32 slots).
+    cache_write = "npu_scatter_pa_kv_cache" if fia else "_npu_reshape_and_cache"
     cfg = {"num_heads": int(a["num_heads"]), "num_kv_heads": int(a["num_kv_heads"]), "head_dim": int(a["head_dim"]),
            "head_dim_v": int(n.outputs[0].type.shape[-1]), "scale": float(a.get("scale") or a["head_dim"] ** -0.5),
            "causal": bool(a.get("causal", True)), "dtype": n.outputs[0].type.dtype, "fia": fia,
@@ -247,43 +292,9 @@ def _attention(g: _Gen, n: Node, impl: str, group: dict[str, Any]) -> None:
     if pa_ok:
         g.call("_npu_paged_attention")
     if not fia:
-        g.fallbacks.append((group["name"], f"{n.name}: prefill rows use the reference attention over the paged cache "
+        g.fallbacks.append((group.name, f"{n.name}: prefill rows use the reference attention over the paged cache "
                                            f"(FIA refused: {cfg['fia_why']})"))
     g.emit(f"{n.outputs[0].name} = self.{m['name']}({a.get('layer', 0)}, {q}, {k}, {v}, st, kv_caches)")
-
-
-def generate_cann_program(graph: Graph, plan: Any = None, descriptor: Any = None) -> GeneratedProgram:
-    """The CANN op-call program (one Python module, no kernels) for an optimised graph."""
-    from portlayer.codegen.groups import kernel_groups
-
-    g = _Gen(graph)
-    _plan_swiglu(g)
-    titles = []
-    for grp in kernel_groups(graph):
-        start = len(g.lines)
-        for name in grp["nodes"]:
-            _node(g, g.nodes[name], grp)
-        if len(g.lines) > start:
-            ops = ", ".join(g.nodes[x].op for x in grp["nodes"])
-            g.lines.insert(start, f"# {grp['name']}: {grp['family']} {grp.get('impl', '')} [{ops}]")
-            titles.append(grp["name"])
-    lines = _weights_prefixed(g.lines, g.params)
-    block = 128
-    if plan is not None:
-        try:
-            block = int(plan.value("kv_block_size"))
-        except KeyError:
-            pass
-    host = render(
-        "cann/program.py.j2", model=graph.meta.get("model_type", "model"),
-        target=getattr(descriptor, "name", "ascend"), inputs=[v.name for v in graph.inputs],
-        outputs=list(graph.outputs), params=[(k, t.dtype) for k, t in graph.params.items()], lines=lines,
-        prepare=g.prepare, attn=g.attn_methods, calls=g.calls, fallbacks=g.fallbacks, block_size=block,
-        max_positions=int(graph.meta.get("max_positions") or 4096), n_groups=len(titles),
-    )
-    gen = GeneratedProgram(host=host, fallbacks=g.fallbacks)
-    gen.calls = list(g.calls)  # type: ignore[attr-defined]
-    return gen
 
 
 # ---- the base class of generated CANN programs ------------------------------------------------------

@@ -1,151 +1,149 @@
-"""The host-program generator: kernel groups -> readable Python that runs one step.
+"""The host-program generator: the fuse pass's kernel groups -> one readable Python program.
 
-For Triton targets each group becomes kernels (deduplicated by source, so identical
-transformer layers share them) plus launch statements; values that kernels write get
-planned arena buffers. For the CPU family ('torch') every node is a call of its reference
-implementation. Both programs subclass host_support.HostProgram and expose run().
+Codegen decides nothing here. For each group in ``graph.meta["kernels"]`` it calls the
+lowering of the implementation the group names (passed in as ``lower``: backends/generate.py
+looks it up in the registry), binds the values the lowering writes to the buffers of
+``graph.meta["memory_plan"]``, and emits the group's views around it as aliases. Kernels are
+deduplicated by their code. Identical layers become one method and a loop (codegen/layers.py).
+The program subclasses host_support.HostProgram (Triton, torch) or cann.CannHostProgram and
+exposes run().
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from portlayer.codegen.buffers import plan_buffers
-from portlayer.codegen.expr import Unsupported
-from portlayer.codegen.groups import default_groups, group_record, kernel_groups
-from portlayer.codegen.kernels.attention import build_attention
-from portlayer.codegen.kernels.context import GenContext, GroupCode, host_dim
-from portlayer.codegen.kernels.embedding import build_embedding
-from portlayer.codegen.kernels.fallback import build_reference, build_view
-from portlayer.codegen.kernels.gemm import build_gemm
-from portlayer.codegen.kernels.pointwise import build_pointwise
-from portlayer.codegen.kernels.reduction import build_reduction
-from portlayer.codegen.kernels.rope import build_rope
+from portlayer.codegen.kernels.context import GenContext, host_dim
+from portlayer.codegen.layers import Block, fold_layers, module_layer
+from portlayer.codegen.lowering import GroupCode, KernelGroup, Unlowerable, resolve_group
 from portlayer.codegen.render import render
 from portlayer.codegen.spec import KernelSpec
 from portlayer.flatten.ir import Graph
 
-BUILDERS = {
-    "pointwise": build_pointwise, "reduction": build_reduction, "rope": build_rope, "embedding": build_embedding,
-    "gemm": build_gemm, "attention": build_attention, "view": build_view,
-}  # fmt: skip
+LowerFn = Callable[[GenContext, KernelGroup], GroupCode]
+TEMPLATES = {"triton": "host/triton_program.py.j2", "torch": "host/torch_program.py.j2", "cann": "cann/program.py.j2"}
 
 
 @dataclass
 class GeneratedProgram:
-    """Generated sources: the host program and its kernels (module name -> source)."""
+    """Generated sources: the host program, its kernels (module name -> spec) and its buffer table."""
 
     host: str
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (group, reason)
+    layout: dict[str, Any] = field(default_factory=dict)  # program.json (program_layout)
+    calls: list[str] = field(default_factory=list)  # vendor calls used (CANN)
 
     def kernel_sources(self) -> dict[str, str]:
         """One module per kernel; the decode reduce kernel lives in its decode kernel's module."""
         return {n: k.source for n, k in self.kernels.items() if "module" not in k.extra}
 
 
-def _weights_prefixed(lines: list[str], params: set[str]) -> list[str]:
-    """Parameter names in builder lines become W.<name> (weights live on the program)."""
+def weights_prefixed(lines: list[str], params: set[str]) -> list[str]:
+    """Parameter names in lowering lines become W.<name> (weights live on the program)."""
     if not params:
         return lines
-    pat = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, params), key=len, reverse=True)) + r")\b")
+    pat = re.compile(r"(?<![\w.'\"])(" + "|".join(sorted(map(re.escape, params), key=len, reverse=True)) + r")\b")
     return [pat.sub(r"W.\1", ln) for ln in lines]
 
 
-def generate_triton_program(graph: Graph, ctx: GenContext, *, target: str = "?",
-                            kernels_dir: str = "kernels") -> GeneratedProgram:
-    groups = kernel_groups(graph)
-    out = GeneratedProgram(host="")
-    codes: list[tuple[dict[str, Any], GroupCode]] = []
-    for g in groups:
-        codes += _realise(graph, ctx, g, out)
-    aliases: dict[str, str] = {}
-    for g, _ in codes:
-        if g["family"] == "view":
-            for name in g["nodes"]:
-                n = ctx.nodes[name]
-                if n.op == "reshape":
-                    aliases[n.outputs[0].name] = aliases.get(n.inputs[0], n.inputs[0])
-    written = [c.buffers for _, c in codes]
-    reads = [[i for i in g["inputs"]] for g, _ in codes]
-    bufs, arena = plan_buffers(ctx.types, written, reads, aliases, list(graph.outputs), graph.meta.get("memory_plan"),
-                               graph.meta.get("token_symbol", "num_tokens"))
-    arena_values = {b.value for b in bufs}
+def buffer_table(graph: Graph) -> dict[str, Any]:
+    """The memory plan's arena as host data: value -> dtype, shape (host expressions in T, S), offset."""
+    mp = graph.meta.get("memory_plan")
+    if not mp:
+        return {}
+    types = graph.value_types()
+    out = {}
+    for v, info in mp["buffers"].items():
+        t = types[v]
+        entry = {"dtype": t.dtype, "shape": [host_dim(d) for d in t.shape], "offset": int(info["offset"])}
+        out[v] = entry
+    return {"arena_bytes": int(mp["arena_bytes"]), "max_tokens": int(mp["max_tokens"]), "buffers": out}
+
+
+def program_layout(graph: Graph, buffers: Mapping[str, Any], methods: Sequence[Any]) -> dict[str, Any]:
+    """program.json: what the host program allocates and binds, kept out of host.py so the program's
+    text does not grow with the model's depth (weights, arena buffers, per-layer namespaces)."""
+    return {"format": "portlayer-program/1", "params": {k: t.dtype for k, t in graph.params.items()},
+            "arena_bytes": int(buffers.get("arena_bytes", 0)), "max_tokens": int(buffers.get("max_tokens", 0)),
+            "buffers": dict(buffers.get("buffers", {})),
+            "layers": [{"method": m.name, "first": m.first, "last": m.last, "params": m.params,
+                        "buffers": m.buffers} for m in methods]}
+
+
+def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: LowerFn, buffered: set[str],
+                  out: GeneratedProgram) -> list[Block]:
+    records = graph.meta.get("kernels")
+    if not records:
+        raise Unlowerable("codegen consumes the pipeline's kernel groups (graph.meta['kernels']) and memory plan; "
+                          "run passes.pipeline.run_pipeline(graph, target) first")
+    users = graph.users()
     params = set(graph.params)
-    rendered_groups = []
-    scratch = (0, 0)
-    for g, code in codes:
+    blocks: list[Block] = []
+    for rec in records:
+        g = resolve_group(graph, rec, ctx.nodes, users)
+        lines: list[str] = []
+        if g.pre_views:
+            lines += view_lower(ctx, KernelGroup(g.name, "torch.view", "view", g.pre_views[0].name, g.pre_views,
+                                                 [], [])).lines
+        code = lower(ctx, g) if g.nodes else GroupCode()
+        for v in code.buffers:
+            if v not in buffered:
+                raise Unlowerable(f"group {g.name} ({g.impl}) writes {v}, which has no buffer in the memory plan; "
+                                  "the lowering's scratch() must name it (passes/memory_plan.py places scratch)")
+        lines += [f"{v} = B.{v}" for v in code.buffers] + code.lines
+        if g.post_views:
+            lines += view_lower(ctx, KernelGroup(g.name, "torch.view", "view", g.post_views[0].name, g.post_views,
+                                                 [], [])).lines
         for k in code.kernels:
             out.kernels.setdefault(k.name, k)
-            if "scratch" in k.extra:
-                hq, splits, bd = k.extra["scratch"]
-                scratch = (max(scratch[0], hq * splits * bd), max(scratch[1], hq * splits))
-        binds = [f"{v} = B.{v}" if v in arena_values else _alloc(v, ctx) for v in code.buffers]
-        title = f"{g['name']}: {g['family']} [{', '.join(ctx.nodes[n].op for n in g['nodes'])}]"
-        rendered_groups.append({"title": title, "lines": binds + _weights_prefixed(code.lines, params)})
-    host = render(
-        "host/triton_program.py.j2", model=graph.meta.get("model_type", "model"), target=target,
-        n_launch=len(groups), n_buffers=len(bufs), arena=arena, n_kernels=len(out.kernels), kernels_dir=kernels_dir,
-        kernels=sorted(out.kernel_sources()), buffers=bufs, scratch=scratch, inputs=[v.name for v in graph.inputs],
-        outputs=list(graph.outputs), params=[(k, t.dtype) for k, t in graph.params.items()], groups=rendered_groups,
-        max_positions=int(graph.meta.get("max_positions") or 4096),
+        if g.impl == "reference":
+            out.fallbacks.append((g.name, f"{', '.join(n.op for n in g.nodes)}: no implementation accepted it"))
+        members = g.pre_views + g.nodes + g.post_views
+        made = [v.name for n in members for v in n.outputs]
+        reads = [i for n in members for i in n.inputs if i is not None and i not in params and i not in made]
+        anchor = ctx.nodes.get(g.anchor)
+        layer = module_layer(anchor.meta.get("source")) if anchor is not None else None
+        kv = sorted({int(n.attrs.get("layer", 0)) for n in g.nodes if n.op == "attention"})
+        ops = ", ".join(n.op for n in g.nodes) or ", ".join(n.op for n in members)
+        blocks.append(Block(f"{g.anchor}: {g.impl} [{ops}]", weights_prefixed(lines, params), made,
+                            list(dict.fromkeys(reads)),
+                            list(dict.fromkeys(i for n in members for i in n.inputs if i in params)), layer, kv))
+    return blocks
+
+
+def generate_program(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: LowerFn, *, family: str,
+                     target: str = "?", extra: Callable[[], Mapping[str, Any]] | None = None,
+                     fold: bool = True) -> GeneratedProgram:
+    """The host program (and kernels) for a pipeline-optimised graph on a ``family`` target."""
+    table = buffer_table(graph) if family == "triton" else {}
+    out = GeneratedProgram(host="")
+    buffered = set(table.get("buffers", {}))
+    blocks = _group_blocks(graph, ctx, lower, view_lower, buffered, out)
+    prog = fold_layers(blocks, list(graph.outputs), buffered, set(graph.params)) if fold else None
+    if prog is None:
+        from portlayer.codegen.layers import Program, _inline
+
+        prog = Program(_inline(blocks, {}), [], list(graph.outputs))
+    out.layout = program_layout(graph, table, prog.methods)
+    out.host = render(
+        TEMPLATES[family], model=graph.meta.get("model_type", "model"), target=target, n_groups=len(blocks),
+        kernels=sorted(out.kernel_sources()), inputs=[v.name for v in graph.inputs], outputs=prog.outputs,
+        params=[(k, t.dtype) for k, t in graph.params.items()], lines=prog.lines, methods=prog.methods,
+        max_positions=int(graph.meta.get("max_positions") or 4096), scratch=_scratch(out.kernels),
+        n_buffers=len(table.get("buffers", {})), arena=table.get("arena_bytes", 0),
+        n_kernels=len(out.kernel_sources()), fallbacks=out.fallbacks, **dict(extra() if extra else {}),
     )
-    out.host = host
     return out
 
 
-def _alloc(value: str, ctx: GenContext) -> str:
-    """A value outside the arena (not [num_tokens, ...]): allocated in the step."""
-    t = ctx.types[value]
-    shape = ", ".join(host_dim(d) for d in t.shape)
-    return f"{value} = torch.empty(({shape},), dtype=torch.{t.dtype}, device=self.device)  # not per-token: per step"
-
-
-def _build(ctx: GenContext, g: dict[str, Any]) -> GroupCode:
-    builder = BUILDERS.get(g["family"])
-    if builder is None or g.get("impl_family", "triton") == "torch":
-        raise Unsupported(f"no Triton template for family {g['family']!r}")
-    try:
-        return builder(ctx, g)
-    except ValueError as e:  # a builder's shape expectations (e.g. one node) not met
-        raise Unsupported(f"{g['family']} template does not take {g['nodes']}: {e}") from e
-
-
-def _realise(graph: Graph, ctx: GenContext, g: dict[str, Any], out: GeneratedProgram):
-    """Build a group; a fused group no template takes whole (e.g. the fuse pass's
-    q/k-norm + rope, or a GEMM with a trailing reshape) is split into default groups, and
-    only what no template takes runs as the reference op (recorded in ``out.fallbacks``)."""
-    try:
-        return [(g, _build(ctx, g))]
-    except Unsupported as e:
-        whole_reason = str(e)
-    if len(g["nodes"]) > 1:
-        names = set(g["nodes"])
-        sub = Graph(inputs=graph.inputs, params=graph.params, nodes=[n for n in graph.nodes if n.name in names],
-                    outputs=list(g["outputs"]), meta=graph.meta)
-        parts = [group_record(graph, p["nodes"], p["family"], name=p["name"]) for p in default_groups(sub)]
-        if len(parts) > 1:
-            return [pair for p in parts for pair in _realise(graph, ctx, p, out)]
-    if g["family"] not in ("view", "torch", "pooling"):
-        out.fallbacks.append((g["name"], whole_reason))
-    return [(g, build_reference(ctx, g, reason=whole_reason))]
-
-
-def generate_torch_program(graph: Graph, *, target: str = "cpu") -> GeneratedProgram:
-    """The CPU family's program: reference op calls in graph order (reshapes as views)."""
-    ctx = GenContext(graph, {})
-    lines: list[str] = []
-    for n in graph.nodes:
-        if n.op == "reshape":
-            shape = ", ".join(host_dim(d) for d in n.outputs[0].type.shape)
-            lines.append(f"{n.outputs[0].name} = {n.inputs[0]}.reshape({shape})")
-        else:
-            lines += build_reference(ctx, {"nodes": [n.name]}).lines
-    lines = _weights_prefixed(lines, set(graph.params))
-    host = render("host/torch_program.py.j2", model=graph.meta.get("model_type", "model"), target=target,
-                  inputs=[v.name for v in graph.inputs], outputs=list(graph.outputs), lines=lines,
-                  params=[(k, t.dtype) for k, t in graph.params.items()],
-                  max_positions=int(graph.meta.get("max_positions") or 4096))
-    return GeneratedProgram(host=host)
+def _scratch(kernels: Mapping[str, KernelSpec]) -> tuple[int, int]:
+    s = (0, 0)
+    for k in kernels.values():
+        if "scratch" in k.extra:
+            hq, splits, bd = k.extra["scratch"]
+            s = (max(s[0], hq * splits * bd), max(s[1], hq * splits))
+    return s

@@ -102,17 +102,15 @@ class StepState:
 
 
 class HostProgram:
-    """Base of generated programs. Subclasses set KERNELS, BUFFERS, ARENA, INPUTS, OUTPUTS,
-    PARAM_DTYPES and ``forward``; this class allocates once and runs steps (CUDA graphs for
-    decode steps whose batch fits a captured size)."""
+    """Base of generated programs. Subclasses set KERNELS, INPUTS, OUTPUTS and ``forward`` (and
+    one method per folded layer); ``layout`` (program.json) says the weights and their dtypes, the
+    arena's size and buffers (offsets from the memory plan) and the per-layer namespaces. This class
+    allocates once and runs steps (CUDA graphs for decode steps whose batch fits a captured size)."""
 
     KERNELS: tuple[str, ...] = ()
-    BUFFERS: tuple[tuple[str, str, tuple[str, ...], str], ...] = ()  # value, dtype, shape(T), offset(T)
-    ARENA = "0"
     SCRATCH: tuple[int, int] = (0, 0)  # decode split-K partials per sequence: (outputs, maxima)
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
-    PARAM_DTYPES: dict[str, str] = {}
     MAX_POSITIONS = 4096
 
     @property
@@ -121,50 +119,79 @@ class HostProgram:
         return self.INPUTS
 
     def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", *,
-                 kernels_dir: Path | str | None = None, max_tokens: int = 2048, max_seqs: int = 256,
-                 capture_sizes: Sequence[int] = (), use_graphs: bool = True) -> None:
+                 layout: Mapping[str, Any], kernels_dir: Path | str | None = None, kernels: Any = None,
+                 max_tokens: int | None = None, max_seqs: int = 256, capture_sizes: Sequence[int] = (),
+                 use_graphs: bool = True) -> None:
         self.device = torch.device(device)
-        missing = [k for k in self.PARAM_DTYPES if k not in weights]
+        self.layout = layout
+        dtypes = dict(layout["params"])
+        missing = [k for k in dtypes if k not in weights]
         if missing:
             raise KeyError(f"host program: weights missing {missing[:5]} (of {len(missing)}); pass the artifact's weights")
-        self.W = SimpleNamespace(**{k: weights[k].to(device=self.device, dtype=torch_dtype(dt))
-                                    for k, dt in self.PARAM_DTYPES.items()})
-        floats = [torch_dtype(d) for d in self.PARAM_DTYPES.values() if d.startswith(("float", "bfloat"))]
+        self.W = SimpleNamespace(**{k: weights[k].to(device=self.device, dtype=torch_dtype(dt)) for k, dt in dtypes.items()})
+        floats = [torch_dtype(d) for d in dtypes.values() if d.startswith(("float", "bfloat"))]
         self.dtype = floats[0] if floats else torch.float32
-        self.K = load_kernels(Path(kernels_dir), self.KERNELS) if kernels_dir and self.KERNELS else SimpleNamespace()
-        self.max_tokens, self.max_seqs = max_tokens, max(max_seqs, 1)
-        self.arena = torch.empty(_eval(self.ARENA, max_tokens) + 256, dtype=torch.uint8, device=self.device)
+        if kernels is not None:
+            self.K = kernels
+        else:
+            self.K = load_kernels(Path(kernels_dir), self.KERNELS) if kernels_dir and self.KERNELS else SimpleNamespace()
+        planned = int(layout.get("max_tokens") or 0)
+        if planned and max_tokens and max_tokens > planned:
+            raise ValueError(f"max_tokens={max_tokens} exceeds the {planned} tokens the memory plan laid the arena out "
+                             "for; recompile with a larger max_batched_tokens")
+        self.max_tokens = planned or int(max_tokens or 2048)
+        self.max_seqs = max(max_seqs, 1)
+        self._buffers = {v: (info["dtype"], tuple(info["shape"]), int(info["offset"]))
+                         for v, info in layout.get("buffers", {}).items()}
+        self.arena = torch.empty(int(layout.get("arena_bytes") or 0) + 256, dtype=torch.uint8, device=self.device)
+        self._layers = {m["method"]: m for m in layout.get("layers", [])}
+        self.P = {name: {i: SimpleNamespace(**{loc: getattr(self.W, t.format(i + d)) for loc, (t, d) in m["params"].items()})
+                         for i in range(m["first"], m["last"] + 1)} for name, m in self._layers.items()}
         out_n, max_n = self.SCRATCH
         self.part_out = torch.empty(max(1, self.max_seqs * out_n), dtype=torch.float32, device=self.device)
         self.part_max = torch.empty(max(1, self.max_seqs * max_n), dtype=torch.float32, device=self.device)
         self.part_sum = torch.empty(max(1, self.max_seqs * max_n), dtype=torch.float32, device=self.device)
-        self._views: dict[int, SimpleNamespace] = {}
-        self.capture_sizes = sorted(s for s in capture_sizes if s <= min(max_seqs, max_tokens))
+        self._views: dict[tuple[int, int], SimpleNamespace] = {}
+        self._layer_views: dict[tuple[str, int, int], dict[int, SimpleNamespace]] = {}
+        self.capture_sizes = sorted(s for s in capture_sizes if s <= min(max_seqs, self.max_tokens))
         self.use_graphs = use_graphs and self.device.type == "cuda" and bool(self.capture_sizes)
         self._graphs: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
         self._static: SimpleNamespace | None = None
 
     # ---- buffers ---------------------------------------------------------------------
-    def buffers(self, T: int) -> SimpleNamespace:  # noqa: N803 - T is the token count, as in the generated code
-        """Views of the arena for ``T`` tokens (cached: steps of one size reuse them)."""
-        views = self._views.get(T)
+    def _view(self, value: str, T: int, S: int) -> torch.Tensor:  # noqa: N803
+        dtype, shape, off = self._buffers[value]
+        dims = [eval_host_dim(d, T, S) for d in shape]
+        dt = torch_dtype(dtype)
+        n = 1
+        for d in dims:
+            n *= d
+        return self.arena[off : off + n * dt.itemsize].view(dt).view(dims)
+
+    def buffers(self, T: int, S: int | None = None) -> SimpleNamespace:  # noqa: N803 - T tokens, S sequences
+        """Views of the arena for a step of ``T`` tokens and ``S`` sequences (cached per size)."""
+        S = T if S is None else S  # noqa: N806
+        views = self._views.get((T, S))
         if views is None:
             if T > self.max_tokens:
-                raise ValueError(f"step of {T} tokens exceeds the program's max_tokens={self.max_tokens}; "
-                                 "load the program with a larger max_tokens")
-            ns = {}
-            for value, dtype, shape, offset in self.BUFFERS:
-                dims = [_eval(d, T) for d in shape]
-                dt = torch_dtype(dtype)
-                off = _eval(offset, self.max_tokens)
-                n = 1
-                for d in dims:
-                    n *= d
-                ns[value] = self.arena[off : off + n * dt.itemsize].view(dt).view(dims)
-            views = SimpleNamespace(**ns)
+                raise ValueError(f"step of {T} tokens exceeds the program's max_tokens={self.max_tokens} (the memory "
+                                 "plan's largest bucket); recompile with a larger max_batched_tokens")
+            views = SimpleNamespace(**{v: self._view(v, T, S) for v in self._buffers})
             if len(self._views) < 64:
-                self._views[T] = views
+                self._views[(T, S)] = views
         return views
+
+    def layer_namespaces(self, method: str, layer: int, T: int, S: int) -> tuple[SimpleNamespace, SimpleNamespace]:  # noqa: N803
+        """(weights, buffers) of one layer of a folded method, by the templates in program.json."""
+        key = (method, T, S)
+        per = self._layer_views.get(key)
+        if per is None:
+            m, full = self._layers[method], self.buffers(T, S)
+            per = {i: SimpleNamespace(**{loc: getattr(full, t.format(i + d)) for loc, (t, d) in m["buffers"].items()})
+                   for i in range(m["first"], m["last"] + 1)}
+            if len(self._layer_views) < 256:
+                self._layer_views[key] = per
+        return self.P[method][layer], per[layer]
 
     def forward(self, T: int, S: int, feeds: Mapping[str, torch.Tensor], st: StepState,  # noqa: N803
                 kv_caches: Any) -> list[torch.Tensor]:
@@ -237,5 +264,43 @@ class HostProgram:
         return graph, outs
 
 
-def _eval(expr: str, T: int) -> int:  # noqa: N803
-    return int(eval(expr, {"__builtins__": {}}, {"T": T}))  # expressions written by codegen: ints and T
+_HOST_DIM_CACHE: dict[str, Any] = {}
+
+
+def eval_host_dim(expr: str | int, T: int, S: int) -> int:  # noqa: N803
+    """A buffer dimension from program.json (an int, or + - * // over T, S and ints) for one step.
+    Parsed with ``ast`` against a whitelist: artifact data is never evaluated as Python."""
+    if isinstance(expr, int):
+        return expr
+    fn = _HOST_DIM_CACHE.get(expr)
+    if fn is None:
+        fn = _HOST_DIM_CACHE[expr] = _compile_dim(expr)
+    return fn(T, S)
+
+
+def _compile_dim(expr: str) -> Any:
+    import ast
+
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"program.json: buffer dimension {expr!r} is not an expression in T and S") from e
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.FloorDiv: lambda a, b: a // b}
+
+    def build(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            v = node.value
+            return lambda T, S: v  # noqa: N803
+        if isinstance(node, ast.Name) and node.id in ("T", "S"):
+            return (lambda T, S: T) if node.id == "T" else (lambda T, S: S)  # noqa: N803
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            f, a, b = ops[type(node.op)], build(node.left), build(node.right)
+            return lambda T, S: f(a(T, S), b(T, S))  # noqa: N803
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            a = build(node.operand)
+            return lambda T, S: -a(T, S)  # noqa: N803
+        raise ValueError(f"program.json: buffer dimension {expr!r} uses {type(node).__name__}; only integers, T, S "
+                         "and + - * // are allowed")
+
+    return build(tree)

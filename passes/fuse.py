@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from portlayer.backends.impls import find
+from portlayer.codegen.lowering import resolve_group
 from portlayer.flatten.ir import Graph, Node
 from portlayer.passes.context import PassContext
-from portlayer.passes.fuse_rules import FuseState, can_fuse, is_view, kind
+from portlayer.passes.fuse_rules import FuseState, anchor_of, can_fuse, is_view, kind
 
 BINDINGS = {"num_tokens": 1, "num_seqs": 1}
 
@@ -100,24 +102,26 @@ def _group_order(st: FuseState) -> list[int]:
 
 
 def _name_and_impl(st: FuseState, gid: int, nodes: list[Node]) -> tuple[str, str, str]:
+    """(anchor node, kernel family for display, implementation whose lowering realises the group)."""
     gk = st.group_kind(gid)
     comp = [n for n in nodes if not is_view(n)]
-    anchor = next((n for n in comp if kind(n) in ("gemm", "attention", "data", "sequence", "reduction")), None)
-    anchor = anchor or next((n for n in comp if n.op == "rope"), None) or (comp[0] if comp else nodes[0])
-    impl = anchor.meta.get("impl", "reference")
-    fam = impl.split(".")[0] if "." in impl else "torch"
-    family = {"vendor": "vendor", "gemm": "gemm", "rope": "rope", "reduction": "reduction", "attention": "attention",
-              "embedding": "embedding", "pooling": "pooling", "view": "view"}.get(gk, "pointwise")
     if gk == "vendor":
-        impl = st.sealed[gid]
-    elif gk == "rope" and len(comp) > 1:
-        impl = f"{fam}.qk_norm_rope" if any(n.op == "rms_norm" for n in comp) else f"{fam}.rope_qk"
-    elif gk in ("reduction", "pointwise") and len(comp) > 1:
-        ops = "_".join(n.op for n in comp)
-        impl = f"{fam}.fused_{ops}" if gk == "reduction" else (f"{fam}.silu_mul" if ops == "silu_mul" else f"{fam}.pointwise")
-    elif gk == "view":
-        impl = "torch.view"
-    return anchor.name, family, impl
+        root = next(n for n in comp if n.meta.get("absorbs"))
+        return root.name, "vendor", st.sealed[gid]
+    if not comp:
+        return nodes[0].name, "view", nodes[0].meta.get("impl", "torch.view")
+    anchor = anchor_of(comp)
+    family = {"gemm": "gemm", "rope": "rope", "reduction": "reduction", "attention": "attention",
+              "embedding": "embedding", "pooling": "pooling"}.get(gk, "pointwise" if gk == "pointwise" else "data")
+    return anchor.name, family, anchor.meta.get("impl", "reference")
+
+
+def _scratch(g: Graph, k: dict[str, Any], st: FuseState, users: dict[str, list[Node]]) -> list[str]:
+    """Group-internal values the lowering writes to memory (it says which; the memory plan places them)."""
+    impl = find(k["impl"], st.nodes[k["anchor"]].op)
+    if impl is None or impl.scratch is None:
+        return []
+    return list(impl.scratch(resolve_group(g, k, st.nodes, users)))
 
 
 def fuse(graph: Graph, ctx: PassContext) -> Graph:
@@ -151,10 +155,13 @@ def fuse(graph: Graph, ctx: PassContext) -> Graph:
         names = {n.name for n in nodes}
         outs = [v.name for n in nodes for v in n.outputs
                 if v.name in g.outputs or any(u.name not in names for u in users.get(v.name, []))]
-        k: dict[str, Any] = {"name": name, "family": family, "impl": impl, "nodes": [n.name for n in nodes],
-                             "inputs": st.external_inputs(names), "outputs": outs}
+        k: dict[str, Any] = {"name": name, "family": family, "impl": impl, "anchor": anchor,
+                             "nodes": [n.name for n in nodes], "inputs": st.external_inputs(names), "outputs": outs}
         if family == "gemm":
             k["epilogue"] = [n.name for n in nodes if not is_view(n) and kind(n) != "gemm"]
+        scratch = _scratch(g, k, st, users)
+        if scratch:
+            k["scratch"] = scratch
         kernels.append(k)
         for n in nodes:
             n.meta["kernel"] = name

@@ -2,20 +2,14 @@
 orders candidates by bytes saved; this module only answers yes or no, with the reason).
 
 A group is a set of node names. Views are free and ride along with whatever they touch.
-Kernels that can be generated (impl trait ``fusible``) fuse by these shapes:
-
-- pointwise chains over one iteration shape;
-- one row reduction (rms_norm, layer_norm, softmax, l2_normalize) with pointwise prologue
-  and epilogue over its row shape (residual add + rms_norm);
-- one GEMM whose implementation takes epilogues, plus pointwise epilogue nodes over its
-  output shape whose extra tensor operands are parameters (bias, scale) or outputs of other
-  GEMMs (the gate of silu(gate) * up). A residual-stream operand is refused: that add fuses
-  with the following norm instead, which writes the new residual and the normed row in one
-  pass. Nothing is fused into a GEMM's operands (no prologue);
-- rope on q and k together (same positions and table), with per-head rms_norm prologues
-  (Qwen3's q_norm / k_norm).
-
-Vendor calls and attention are sealed: one opaque call each.
+The generic rules live here: vendor calls and attention are sealed (one opaque call each),
+every node must have an implementation that can be generated into a larger kernel (trait
+``fusible``), no cycle through outside nodes, at most ``max_fused_inputs`` inputs, and no view
+between two compute nodes of the kernel. What the kernel itself can take is not decided here:
+the merged group's **anchor** (its GEMM, else rope, else row norm, else its first node) names
+the implementation whose lowering will realise the group, and that lowering's ``accepts``
+answers (backends/impls_*.py, codegen/kernels/*.py). So every group this pass forms is one a
+lowering takes whole.
 """
 
 from __future__ import annotations
@@ -54,6 +48,7 @@ class FuseState:
         self.nodes = {n.name: n for n in self.graph.nodes}
         self.prod = self.graph.producers()
         self.order = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        self.users = self.graph.users()
         self.group_of: dict[str, int] = {}
         self.members: dict[int, set[str]] = {}
         self.sealed: dict[int, str] = {}
@@ -81,6 +76,13 @@ class FuseState:
         if "reduction" in kinds:
             return "data"
         return "pointwise"
+
+    # ---- the GroupQuery a lowering's ``accepts`` sees (codegen/lowering.py) ----------------
+    def producer(self, value: str | None) -> Node | None:
+        return self.prod.get(value) if value is not None else None
+
+    def used_outside(self, value: str, members: set[str]) -> bool:
+        return value in self.graph.outputs or any(u.name not in members for u in self.users.get(value, []))
 
     def external_inputs(self, names: set[str]) -> list[str]:
         produced = {v.name for m in names for v in self.nodes[m].outputs}
@@ -120,12 +122,54 @@ def _reaches(st: FuseState, src: set[str], dst: set[str], graph_users: Mapping[s
     return False
 
 
+def anchor_of(nodes: list[Node]) -> Node:
+    """The node whose implementation realises a group: its GEMM, else attention, else rope, else
+    row norm, else its first compute node (a pointwise chain)."""
+    def rank(n: Node) -> int:
+        if kind(n) == "gemm":
+            return 0
+        if kind(n) == "attention":
+            return 1
+        if n.op == "rope":
+            return 2
+        if n.op in ROW_NORMS:
+            return 3
+        return 4
+
+    return min(nodes, key=lambda n: (rank(n), nodes.index(n)))
+
+
+def _interior_view(st: FuseState, merged: set[str]) -> str | None:
+    """A view whose input comes from the kernel's compute and whose output feeds its compute."""
+    for m in merged:
+        n = st.nodes[m]
+        if not is_view(n):
+            continue
+        src = st.prod.get(n.inputs[0])
+        while src is not None and src.name in merged and is_view(src):
+            src = st.prod.get(src.inputs[0])
+        if src is None or src.name not in merged:
+            continue
+        stack, seen = [n.outputs[0].name], set()
+        while stack:
+            v = stack.pop()
+            for u in st.users.get(v, []):
+                if u.name in merged and not is_view(u):
+                    return n.name
+                if u.name in merged and is_view(u) and u.name not in seen:
+                    seen.add(u.name)
+                    stack.append(u.outputs[0].name)
+    return None
+
+
 def can_fuse(st: FuseState, a: int, b: int, users: Mapping[str, list[Node]]) -> tuple[bool, str]:
     for g in (a, b):
         if g in st.sealed:
             return False, f"{st.sealed[g]} is one vendor call"
     merged = st.members[a] | st.members[b]
     comp = sorted((st.nodes[m] for m in merged if not is_view(st.nodes[m])), key=lambda n: st.order[n.name])
+    if not comp:
+        return True, ""
     if any(kind(n) in ("attention", "data", "sequence", "creation") for n in comp):
         return False, "attention, data movement and pooling are kernels of their own"
     ok, why = _impl_fusible(st, comp)
@@ -136,85 +180,12 @@ def can_fuse(st: FuseState, a: int, b: int, users: Mapping[str, list[Node]]) -> 
     ext = st.external_inputs(merged)
     if len(ext) > st.max_inputs:
         return False, f"{len(ext)} inputs exceed max_fused_inputs={st.max_inputs} (plan: registers / shared memory)"
-    gemms = [n for n in comp if kind(n) == "gemm"]
-    ropes = [n for n in comp if n.op == "rope"]
-    norms = [n for n in comp if n.op in ROW_NORMS]
-    others = [n for n in comp if kind(n) == "reduction" and n.op not in ROW_NORMS]
-    if others:
-        return False, f"{others[0].op} is a general reduction; only row norms take prologues and epilogues"
-    if gemms:
-        return _gemm_rule(st, gemms, comp, merged)
-    if ropes:
-        return _rope_rule(st, ropes, comp, merged)
-    if norms:
-        return _norm_rule(st, norms, comp)
-    shapes = {tuple(n.outputs[0].type.shape) for n in comp}
-    return (True, "") if len(shapes) == 1 else (False, f"pointwise nodes iterate over different shapes {sorted(map(str, shapes))}")
-
-
-def _gemm_rule(st: FuseState, gemms: list[Node], comp: list[Node], merged: set[str]) -> tuple[bool, str]:
-    if len(gemms) > 1:
-        return False, "two GEMMs in one kernel"
-    g = gemms[0]
-    impl = find(g.meta.get("impl", ""), g.op)
-    if impl is None or not impl.trait("epilogue"):
-        return False, f"{g.meta.get('impl')} takes no epilogue"
-    shape = g.outputs[0].type.shape
-    produced = {v.name for m in merged for v in st.nodes[m].outputs}
-    for n in comp:
-        if n is g:
-            continue
-        if kind(n) != "pointwise":
-            return False, f"{n.op} cannot be a GEMM epilogue (pointwise only)"
-        if n.outputs[0].type.shape != shape:
-            return False, f"epilogue {n.name} does not iterate over the GEMM output {list(shape)}"
-        if st.order[n.name] < st.order[g.name] and _feeds(st, n, g, merged):
-            return False, f"{n.name} would be a GEMM prologue; the GEMM template reads plain operands"
-        for i in n.inputs:
-            if i is None or i in produced or i in st.graph.params:
-                continue
-            p = st.prod.get(i)
-            if p is None or kind(p) != "gemm":
-                return False, (f"epilogue operand {i} is not a parameter or a GEMM output (a residual stream: "
-                               "it fuses with the following norm)")
-    return True, ""
-
-
-def _feeds(st: FuseState, n: Node, target: Node, merged: set[str]) -> bool:
-    outs = {v.name for v in n.outputs}
-    frontier = [target]
-    while frontier:
-        t = frontier.pop()
-        for i in t.inputs:
-            if i in outs:
-                return True
-            p = st.prod.get(i) if i else None
-            if p is not None and p.name in merged:
-                frontier.append(p)
-    return False
-
-
-def _rope_rule(st: FuseState, ropes: list[Node], comp: list[Node], merged: set[str]) -> tuple[bool, str]:
-    if len(ropes) > 2:
-        return False, "more than two ropes (q and k) in one kernel"
-    if len(ropes) == 2 and (ropes[0].inputs[1:] != ropes[1].inputs[1:] or ropes[0].attrs != ropes[1].attrs):
-        return False, "the two ropes use different positions, tables or attrs"
-    for n in comp:
-        if n.op == "rope":
-            continue
-        if n.op != "rms_norm":
-            return False, f"the rope kernel takes only per-head rms_norm prologues, not {n.op}"
-        if not any(_feeds(st, n, r, merged) for r in ropes):
-            return False, f"{n.name} is not a per-head norm feeding the rope"
-    return True, ""
-
-
-def _norm_rule(st: FuseState, norms: list[Node], comp: list[Node]) -> tuple[bool, str]:
-    if len(norms) > 1:
-        return False, "two row reductions in one kernel"
-    r = norms[0]
-    shape = r.outputs[0].type.shape
-    for n in comp:
-        if n is not r and n.outputs[0].type.shape != shape:
-            return False, f"{n.name} does not iterate over the normalised rows {list(shape)}"
-    return True, ""
+    view = _interior_view(st, merged)
+    if view is not None:
+        return False, f"view {view} would sit between two compute nodes of one kernel"
+    anchor = anchor_of(comp)
+    impl = find(anchor.meta.get("impl", ""), anchor.op)
+    if impl is None or impl.accepts is None:
+        return False, f"{anchor.name} runs {anchor.meta.get('impl')}, which has no lowering to ask"
+    ok, why = impl.accepts(st, comp)
+    return (True, "") if ok else (False, f"{impl.name}: {why}")

@@ -63,6 +63,26 @@ def _inplace_ok(g: Graph, k: dict[str, Any], nodes: dict[str, Any]) -> bool:
     return True
 
 
+def _feeding_inputs(k: dict[str, Any], value: str, prod: dict[str, Any], nodes: dict[str, Any]) -> list[str]:
+    """The kernel's external inputs that ``value`` is computed from inside the kernel: the only ones
+    it may overwrite (a q/k rope kernel stores q before it loads k, so q must not take k's bytes)."""
+    members, ext = set(k["nodes"]), set(k["inputs"])
+    seen, stack, out = set(), [value], []
+    while stack:
+        v = stack.pop()
+        p = prod.get(v)
+        if p is None or p.name not in members or p.name in seen:
+            continue
+        seen.add(p.name)
+        for i in p.inputs:
+            if i is None:
+                continue
+            if i in ext and i not in out:
+                out.append(i)
+            stack.append(i)
+    return [i for i in k["inputs"] if i in out]
+
+
 def place(bufs: dict[str, dict[str, Any]], sizes: dict[str, int], align: int) -> dict[str, int]:
     """Best-fit offsets in start order; in-place candidates take their input's offset."""
     off: dict[str, int] = {}
@@ -101,6 +121,8 @@ def memory_plan(graph: Graph, ctx: PassContext) -> Graph:
 
     bufs: dict[str, dict[str, Any]] = {}
     for t, k in enumerate(kernels):
+        for v in k.get("scratch", []):  # written and read inside one kernel (the lowering said so)
+            bufs[v] = {"offset": 0, "size": size_expr(types[v], align), "start": t, "end": t, "scratch": True}
         for v in k["outputs"]:
             b = base(v)
             if b in external:
@@ -120,11 +142,11 @@ def memory_plan(graph: Graph, ctx: PassContext) -> Graph:
         bufs[b]["end"] = len(kernels)
     bufs = dict(sorted(bufs.items(), key=lambda kv: kv[1]["start"]))
     taken: set[str] = set()
-    for _b, info in bufs.items():
+    for b, info in bufs.items():
         k = kernels[info["start"]]
-        if not _inplace_ok(g, k, nodes):
+        if info.get("scratch") or not _inplace_ok(g, k, nodes):
             continue
-        for i in k["inputs"]:
+        for i in _feeding_inputs(k, b, prod, nodes):
             y = owner.get(base(i))
             if y and y not in taken and y not in outs and bufs[y]["end"] == info["start"] and \
                     bufs[y]["size"] == info["size"] and bufs[y]["start"] < info["start"]:

@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--interpret" in (sys.argv[1:] if argv is None else argv):
+        import os
+
+        # Triton fixes interpreted-or-compiled when it is first imported: decide before anything imports it.
+        os.environ["TRITON_INTERPRET"] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -30,6 +30,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--emulate-ascend", action="store_true",
                    help="run a CANN (Ascend) artifact on the CPU emulator of the torch_npu calls, not an NPU "
                         "(also PORTLAYER_ASCEND_EMULATOR=1; see docs/ascend.md)")
+    v.add_argument("--interpret", action="store_true",
+                   help="run a Triton artifact (CUDA/ROCm/XPU target) on this CPU under the Triton interpreter "
+                        "(CUDA graphs off), to check a cross-compiled artifact without its device")
     v.set_defaults(func=run_validate)
 
     b = sub.add_parser("bench", help="latency and throughput of an artifact on this device")
@@ -77,7 +80,12 @@ def run_compile(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     from portlayer.loaded import open_artifact, print_notes
 
-    loaded = open_artifact(Path(args.artifact), emulate=True if getattr(args, "emulate_ascend", False) else None)
+    interpret = bool(getattr(args, "interpret", False))
+    loaded = open_artifact(Path(args.artifact), emulate=True if getattr(args, "emulate_ascend", False) else None,
+                           interpret=interpret)
+    if loaded.interpreted:
+        print("[portlayer] running the generated Triton program under the Triton interpreter on the CPU (not the "
+              f"{loaded.descriptor.name})", file=sys.stderr)
     if loaded.emulated:
         print("[portlayer] running on the CPU emulator of the torch_npu calls (emulation, not an Ascend NPU)",
               file=sys.stderr)

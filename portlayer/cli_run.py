@@ -34,6 +34,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     r.add_argument("--device", default="cpu", help="torch device when ARTIFACT is a model, not an artifact (default cpu)")
     r.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    r.add_argument("--interpret", action="store_true",
+                   help="run a Triton artifact (CUDA/ROCm/XPU target) on this CPU under the Triton interpreter")
     r.set_defaults(func=run_generate)
 
     e = sub.add_parser("embed", help="embed texts with an embedding model",
@@ -58,6 +60,8 @@ def parse_ids(text: str) -> list[int]:
 def _open(args: argparse.Namespace):
     from portlayer.runtime.engine import LLMEngine
 
+    if getattr(args, "interpret", False):
+        return LLMEngine.from_artifact(args.artifact, interpret=True)
     return LLMEngine.open(args.artifact, device=args.device)
 
 

@@ -27,9 +27,10 @@ class LoadedArtifact:
     """Use ``portlayer.load(path)`` to get one."""
 
     def __init__(self, manifest: Manifest, plan: Plan, descriptor: Descriptor, device: Any, notes: list[str],
-                 emulated: bool = False) -> None:
+                 emulated: bool = False, interpreted: bool = False) -> None:
         self.manifest = manifest
         self.emulated = emulated  # a CANN artifact run on the CPU emulator of torch_npu (not an NPU)
+        self.interpreted = interpreted  # a Triton artifact run on this CPU by the Triton interpreter (not a GPU)
         self.path = manifest.path
         self.plan = plan
         self.descriptor = descriptor
@@ -62,6 +63,10 @@ class LoadedArtifact:
         from portlayer.runtime.executable import ReferenceExecutable
 
         graph = self.graph
+        if self.interpreted:  # the generated program, its kernels run by TRITON_INTERPRET=1 on the CPU
+            from portlayer.backends.triton_program import load_program
+
+            return load_program(self.path, graph.weights, "cpu", self.plan, use_graphs=False)
         if self.manifest.raw.get("codegen", {}).get("generated"):
             adapter = get_backend(self.descriptor, index=max(self.device.index, 0))
             loader = getattr(adapter, "load_program", None)
@@ -120,6 +125,10 @@ class LoadedArtifact:
 
         exe = self.executable()
         meta = dict(self.graph.meta)
+        if self.interpreted:  # KV caches in host memory, laid out as the artifact's descriptor says
+            from portlayer.backends.registry import backend_class
+
+            kwargs.setdefault("backend", backend_class("cpu")(self.descriptor, 0))
         kwargs.setdefault("backend", get_backend(exe.device.type))
         kwargs.setdefault("tokenizer", self.tokenizer())
         return LLMEngine(exe, meta, self.plan, **kwargs)
@@ -154,10 +163,30 @@ def _plan_value(plan: Plan, name: str, default: Any) -> Any:
         return default
 
 
-def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = False) -> LoadedArtifact:
+def interpreted_device(m: Manifest) -> Any:
+    """The stand-in device for running a Triton artifact (CUDA, ROCm, XPU) on this CPU under the Triton
+    interpreter: the generated host program and kernels, CUDA graphs off. Explicitly requested only."""
+    import os
+
+    from portlayer.capabilities.probe import DetectedDevice
+
+    if m.target.get("codegen") != "triton":
+        raise ArtifactError(f"artifact {m.path} targets {m.target.get('name')} (codegen {m.target.get('codegen')}); "
+                            "only Triton artifacts run under the Triton interpreter. Drop --interpret.")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise ArtifactError("running a Triton artifact on the CPU needs TRITON_INTERPRET=1 set before triton is imported; "
+                            "use `portlayer validate|run ARTIFACT --interpret`, or set it first in your process")
+    return DetectedDevice(str(m.target.get("device_type")), 0, "Triton interpreter on the CPU (TRITON_INTERPRET=1; "
+                          "not a GPU)", str(m.target.get("arch")), "cpu", m.target.get("name"), "interpreted",
+                          "explicitly requested: --interpret / interpret=True")
+
+
+def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = False,
+                  interpret: bool = False) -> LoadedArtifact:
     """``emulate=True`` opens a CANN (Ascend) artifact to run on portlayer's CPU emulator of the
     torch_npu calls (docs/ascend.md) instead of checking for an NPU; any other artifact is refused.
-    ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN"."""
+    ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN".
+    ``interpret=True`` opens a Triton artifact to run on this CPU under the Triton interpreter."""
     m = A.verify_artifact(path)
     if emulate is None:
         from portlayer.backends.ascend import emulator_requested
@@ -175,14 +204,16 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
         desc = Descriptor.from_dict(A.read_json_file(m, A.CAPABILITY), origin=str(m.path / A.CAPABILITY))
     except DescriptorError as e:
         raise ArtifactError(f"{e}\nThe artifact's descriptor is damaged; recompile: `{_recompile(m)}`") from None
-    if emulate:  # explicit request: a CANN artifact on the CPU emulator (A.emulated_device refuses others)
+    if interpret:
+        device = interpreted_device(m)
+    elif emulate:  # explicit request: a CANN artifact on the CPU emulator (A.emulated_device refuses others)
         device = A.emulated_device(m)
     else:
         device = A.check_device(m) if check_device else None
     notes = A.version_notes(m)
     for n in notes:
         warnings.warn(f"artifact {m.path}: {n}", UserWarning, stacklevel=3)
-    return LoadedArtifact(m, plan, desc, device, notes, emulated=emulate)
+    return LoadedArtifact(m, plan, desc, device, notes, emulated=bool(emulate) and not interpret, interpreted=interpret)
 
 
 def print_notes(loaded: LoadedArtifact) -> None:

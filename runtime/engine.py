@@ -112,16 +112,20 @@ class LLMEngine:
         return cls.from_graph(graph, device=device, tokenizer=load_tokenizer(path), **kwargs)
 
     @classmethod
-    def from_artifact(cls, path: str | os.PathLike[str], *, emulate: bool | None = False, **kwargs: Any) -> LLMEngine:
+    def from_artifact(cls, path: str | os.PathLike[str], *, emulate: bool | None = False, interpret: bool = False,
+                      **kwargs: Any) -> LLMEngine:
         """Open a compiled artifact (hashes and device checked) and serve its program.
 
         ``emulate=True`` runs a CANN (Ascend) artifact on the CPU emulator of the torch_npu calls
-        (docs/ascend.md); ``None`` follows PORTLAYER_ASCEND_EMULATOR=1 for CANN artifacts."""
+        (docs/ascend.md); ``None`` follows PORTLAYER_ASCEND_EMULATOR=1 for CANN artifacts.
+        ``interpret=True`` runs a Triton artifact on this CPU under the Triton interpreter."""
         from portlayer.backends.registry import backend_class, get_backend
         from portlayer.loaded import open_artifact
 
-        loaded = open_artifact(path, emulate=emulate)
+        loaded = open_artifact(path, emulate=emulate, interpret=interpret)
         exe = loaded.executable()
+        if loaded.interpreted and "backend" not in kwargs:  # KV caches in host memory
+            kwargs["backend"] = backend_class("cpu")(loaded.descriptor, 0)
         if loaded.emulated and "backend" not in kwargs:  # KV caches in host memory, the descriptor's alignment
             kwargs["backend"] = backend_class(loaded.descriptor.device_type)(loaded.descriptor, 0, emulate=True)
         backend = kwargs.pop("backend", None) or get_backend(loaded.descriptor, index=max(loaded.device.index, 0))

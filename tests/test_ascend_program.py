@@ -186,7 +186,7 @@ def test_adapter_probe_reports_unavailable():
 
 @pytest.fixture(scope="module")
 def golden_sources(captured):
-    from portlayer.codegen.program import generate
+    from portlayer.backends.generate import generate
     from portlayer.passes.pipeline import run_pipeline
 
     files = {}

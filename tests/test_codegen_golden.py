@@ -1,4 +1,4 @@
-"""Snapshots of generated source (kernels and host program of tiny Qwen3 on the H200 Plan)
+"""Snapshots of generated source (kernels and host program of tiny Qwen3 through the pass pipeline for the H200)
 catch unintended changes. After an intended change:
 
     PORTLAYER_UPDATE_GOLDEN=1 pytest tests/test_codegen_golden.py
@@ -17,13 +17,12 @@ UPDATE = os.environ.get("PORTLAYER_UPDATE_GOLDEN") == "1"
 
 @pytest.fixture(scope="module")
 def generated(captured):
-    from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import plan_for_graph
-    from portlayer.codegen.program import generate
+    from portlayer.backends.generate import generate
+    from portlayer.passes.pipeline import run_pipeline
 
     graph = captured["tiny-qwen3"]
-    desc = load_descriptor("nvidia-h200")
-    gen = generate(graph, plan_for_graph(graph, desc), desc)
+    r = run_pipeline(graph, "nvidia-h200")  # the pipeline's output, as `portlayer compile` generates it
+    gen = generate(r.graph, r.plan, r.descriptor)
     files: dict[str, str] = {}
     for src in sorted(gen.kernel_sources().values()):  # named without the digest, so a change shows as a diff
         fn = next(line for line in src.splitlines() if line.startswith("def ")).split("(")[0][4:]

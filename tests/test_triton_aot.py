@@ -27,13 +27,12 @@ def qwen3_bf16(tiny_dirs):
 
 
 def _write(graph, descriptor: str, out):
-    from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import plan_for_graph
-    from portlayer.codegen.program import generate, write_program
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import write_program
+    from portlayer.passes.pipeline import run_pipeline
 
-    desc = load_descriptor(descriptor)
-    plan = plan_for_graph(graph, desc)
-    gen = generate(graph, plan, desc)
+    r = run_pipeline(graph, descriptor, overrides={"weight_quantization": "none"})
+    gen = generate(r.graph, r.plan, r.descriptor)
     assert gen.fallbacks == [] and gen.kernels
     write_program(gen, out)
     return gen
@@ -56,7 +55,7 @@ def test_every_kernel_compiles(qwen3_bf16, tmp_path, descriptor, target):
 def test_xpu_renders_with_its_descriptor(qwen3_bf16, tmp_path):
     gen = _write(qwen3_bf16, "intel-arc-a770", tmp_path)
     nv = _write(qwen3_bf16, "nvidia-h200", tmp_path / "nv")
-    assert "# layer 0" in gen.host
+    assert "# l0_self_attn_attention: triton.paged_attention" in gen.host
     # same templates, different launch configs: the A770's 16-wide subgroups get more warps
     warps = {k.family: k.num_warps for k in gen.kernels.values()}
     warps_nv = {k.family: k.num_warps for k in nv.kernels.values()}

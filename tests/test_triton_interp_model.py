@@ -17,16 +17,15 @@ def _interp(monkeypatch):
 
 
 def _program(graph, tmp_path, descriptor: str, **plan_overrides):
-    from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import plan_for_graph
-    from portlayer.codegen.program import generate, load_program, write_program
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import load_program, write_program
+    from portlayer.passes.pipeline import run_pipeline
 
-    desc = load_descriptor(descriptor)
-    plan = plan_for_graph(graph, desc, plan_overrides or None)
-    gen = generate(graph, plan, desc)
+    r = run_pipeline(graph, descriptor, overrides=plan_overrides or None)
+    gen = generate(r.graph, r.plan, r.descriptor)
     assert gen.fallbacks == []
     write_program(gen, tmp_path)
-    return load_program(tmp_path, graph.weights, "cpu", max_tokens=32, max_seqs=4)
+    return load_program(tmp_path, r.graph.weights, "cpu", max_seqs=4)
 
 
 @pytest.mark.parametrize("descriptor", ["nvidia-h200", "amd-mi300x"])
@@ -35,7 +34,7 @@ def test_tiny_qwen3_paged_prefill_then_decode(captured, tmp_path, descriptor):
     from portlayer.runtime.executable import ReferenceExecutable
 
     graph = captured["tiny-qwen3"]
-    prog = _program(graph, tmp_path, descriptor, compute_dtype="float32")
+    prog = _program(graph, tmp_path, descriptor, compute_dtype="float32", weight_quantization="none")
     ref = ReferenceExecutable(graph)
     torch.manual_seed(1)
     mine = [(torch.zeros(8, 16, 2, 16), torch.zeros(8, 16, 2, 16)) for _ in range(2)]
@@ -55,7 +54,7 @@ def test_tiny_qwen3_dense_without_cache(captured, tmp_path):
     from portlayer.runtime.executable import ReferenceExecutable
 
     graph = captured["tiny-qwen3"]
-    prog = _program(graph, tmp_path, "nvidia-a100-80gb", compute_dtype="float32")
+    prog = _program(graph, tmp_path, "nvidia-a100-80gb", compute_dtype="float32", weight_quantization="none")
     feeds = {"input_ids": torch.randint(0, 256, (6,)), "positions": torch.arange(6)}
     assert rel_err(prog.run(feeds, None, None)[0], ReferenceExecutable(graph).run(feeds, None, None)[0]) < 1e-4
 
@@ -63,7 +62,8 @@ def test_tiny_qwen3_dense_without_cache(captured, tmp_path):
 def test_program_from_the_pass_pipeline(captured, tmp_path):
     """The fuse pass's groups (q/k-norm+rope, GEMM+reshape, attention+reshape, GEMM epilogues)
     are realised without reference fallbacks and match the reference executable, paged."""
-    from portlayer.codegen.program import generate, load_program, write_program
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import load_program, write_program
     from portlayer.flatten.op_defs.attention import AttentionMetadata
     from portlayer.passes.pipeline import run_pipeline
     from portlayer.runtime.executable import ReferenceExecutable
@@ -73,7 +73,7 @@ def test_program_from_the_pass_pipeline(captured, tmp_path):
     gen = generate(result.graph, result.plan, result.descriptor)
     assert gen.fallbacks == []
     write_program(gen, tmp_path)
-    prog = load_program(tmp_path, result.graph.weights, "cpu", max_tokens=32, max_seqs=4)
+    prog = load_program(tmp_path, result.graph.weights, "cpu", max_seqs=4)
     mine = [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16)) for _ in range(2)]
     theirs = [(a.clone(), b.clone()) for a, b in mine]
     meta = AttentionMetadata(torch.tensor([0, 6, 7], dtype=torch.int32), torch.tensor([6, 1], dtype=torch.int32),

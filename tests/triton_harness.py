@@ -39,21 +39,30 @@ def tol(dtype: str | torch.dtype) -> float:
     return FP32_TOL if str(dtype).replace("torch.", "") == "float32" else HALF_TOL
 
 
-def build_program(graph: Graph, tmp: Path, *, groups: list[dict[str, Any]] | None = None, launch=None,
-                  warp_size: int = 32, triton_gemm_max_tokens: int = 0, device: str = "cpu", **options: Any):
-    from portlayer.codegen.host import generate_triton_program
-    from portlayer.codegen.kernels.context import GenContext
-    from portlayer.codegen.program import load_program, write_program
+def float_dtype(graph: Graph) -> str:
+    dts = [t.dtype for t in [*graph.params.values(), *(v.type for v in graph.inputs)]
+           if t.dtype in ("float32", "float16", "bfloat16")]
+    return dts[0] if dts else "float32"
 
-    if groups is not None:
-        graph.meta["kernels"] = groups
-    ctx = GenContext(graph, launch or {}, warp_size=warp_size, compute_units=8,
-                     triton_gemm_max_tokens=triton_gemm_max_tokens)
-    gen = generate_triton_program(graph, ctx, target="test")
+
+def build_program(graph: Graph, tmp: Path, *, target: str = "nvidia-h200", launch=None,
+                  triton_gemm_max_tokens: int | None = None, device: str = "cpu", **options: Any):
+    """The pipeline's program for ``graph`` on ``target`` (passes -> lowerings -> host program), loaded.
+
+    ``launch`` / ``triton_gemm_max_tokens`` replace the Plan's launch configs and the descriptor's GEMM
+    crossover, so a test can reach a template path the shipped numbers do not choose at this size."""
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import load_program, write_program
+    from portlayer.passes.pipeline import run_pipeline
+
+    result = run_pipeline(graph, target, overrides={"compute_dtype": float_dtype(graph), "weight_quantization": "none"})
+    gen = generate(result.graph, result.plan, result.descriptor, launch=launch, gemm_max_tokens=triton_gemm_max_tokens)
+    assert gen.fallbacks == [], gen.fallbacks
     write_program(gen, tmp)
-    options.setdefault("max_tokens", 64)
     options.setdefault("max_seqs", 8)
-    return gen, load_program(tmp, graph.weights, device, **options)
+    prog = load_program(tmp, result.graph.weights, device, **options)
+    prog.result = result  # the optimised graph, its kernel groups and plan, for assertions
+    return gen, prog
 
 
 def reference(graph: Graph, feeds: dict[str, torch.Tensor], meta=None, caches=None) -> list[torch.Tensor]:

@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from portlayer.codegen.expr import Unsupported
-from portlayer.codegen.kernels.context import GenContext, GroupCode, dot_args, make_kernel
+from portlayer.codegen.kernels.context import GenContext, dot_args, make_kernel
+from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
 
 
@@ -97,8 +98,8 @@ def build_cache_write(ctx: GenContext, node):
     return spec, row, block, warps
 
 
-def build_attention(ctx: GenContext, group: dict[str, Any]) -> GroupCode:
-    (node,) = [ctx.nodes[n] for n in group["nodes"]]
+def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    (node,) = group.nodes
     q, k, v = node.inputs[:3]
     out = node.outputs[0].name
     layer = int(node.attrs.get("layer", 0))
@@ -112,10 +113,9 @@ def build_attention(ctx: GenContext, group: dict[str, Any]) -> GroupCode:
 
     s = repr(c["scale"])
     lines = [
-        f"# layer {layer}: {c['HQ']} query heads over {c['HKV']} KV heads of {c['D']}, "
-        f"{'causal' if c['causal'] else 'bidirectional'}",
+        f"# {c['HQ']} query heads over {c['HKV']} KV heads of {c['D']}, {'causal' if c['causal'] else 'bidirectional'}",
         "if st.paged:",
-        f"    k_cache, v_cache = kv_caches[{layer}]",
+        f"    k_cache, v_cache = {ctx.kv_cache_expr(layer)}",
         "    if st.slot_mapping is not None:",
         f"        K.{cache.name}[(T,)]({k}, {v}, k_cache, v_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
         f"num_warps={cw})",

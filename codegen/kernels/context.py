@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,36 +34,22 @@ class GenContext:
         self.nodes = {n.name: n for n in self.graph.nodes}
 
     def cfg(self, family: str) -> dict[str, int]:
+        """The Plan's launch config for ``family`` (capabilities/policy.py is the one table)."""
         cfg = dict(self.launch.get(family) or {})
-        return cfg or dict(DEFAULT_LAUNCH[family])
+        if not cfg:
+            raise KeyError(f"the Plan has no launch config for kernel family {family!r}: it was negotiated for a "
+                           "target that does not generate Triton code; compile for a Triton target")
+        return cfg
+
+    def kv_cache_expr(self, layer: int) -> str:
+        """How host code names one layer's (k_cache, v_cache) pair; layer loops rename it."""
+        return f"kv_caches[{layer}]"
 
     def row_warps(self, family: str, block_n: int, dtype: str) -> int:
         """Warps for a row of ``block_n`` elements: one 16-byte vector per thread, at most the Plan's."""
         vec = max(1, 16 // dtype_itemsize(dtype))
         want = pow2(max(1, block_n // vec)) // self.warp_size
         return max(1, min(self.cfg(family)["num_warps"], want))
-
-
-#: Used when the Plan has no Triton launch config (e.g. a CPU plan rendered for tests).
-DEFAULT_LAUNCH: dict[str, dict[str, int]] = {
-    "pointwise": {"num_warps": 4, "BLOCK": 1024, "num_stages": 1},
-    "reduction": {"num_warps": 4, "BLOCK_N": 1024, "num_stages": 1},
-    "embedding": {"num_warps": 4, "BLOCK_N": 1024, "num_stages": 1},
-    "rope": {"num_warps": 4, "BLOCK_H": 16, "BLOCK_D": 64, "num_stages": 1},
-    "reshape_and_cache": {"num_warps": 4, "BLOCK": 1024, "num_stages": 1},
-    "gemm": {"num_warps": 8, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_stages": 3},
-    "attention_decode": {"num_warps": 4, "BLOCK_H": 16, "BLOCK_N": 16, "BLOCK_D": 128, "num_stages": 2},
-    "attention_prefill": {"num_warps": 8, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_stages": 2},
-}
-
-
-@dataclass
-class GroupCode:
-    """A group's realisation: kernels to define, host statements, values needing planned buffers."""
-
-    kernels: list[KernelSpec] = field(default_factory=list)
-    lines: list[str] = field(default_factory=list)
-    buffers: list[str] = field(default_factory=list)
 
 
 def host_dim(d: Any) -> str:
@@ -95,13 +83,18 @@ def dot_args(dtype: str) -> str:
     return ', input_precision="ieee"' if dtype == "float32" else ""
 
 
+def code_digest(source: str) -> str:
+    """Identity of a kernel: its code without the module docstring and comments, so kernels that
+    differ only in what their prose says share one module."""
+    body = re.sub(r'^\s*"""[\s\S]*?"""', "", source, count=1)
+    lines = [re.sub(r"\s+#.*$", "", ln).rstrip() for ln in body.splitlines() if not ln.strip().startswith("#")]
+    return hashlib.sha256("\n".join(ln for ln in lines if ln).encode()).hexdigest()[:6]
+
+
 def make_kernel(template: str, family: str, variant: str, params: list[Param], constexprs: dict[str, Any],
                 num_warps: int, num_stages: int = 1, **ctx: Any) -> KernelSpec:
-    """Render ``template``; the kernel's name carries a digest of its source so equal kernels dedupe."""
-    probe = render(template, fn="KERNEL", **ctx)
-    import hashlib
-
-    digest = hashlib.sha256(probe.encode()).hexdigest()[:6]
+    """Render ``template``; the kernel's name carries a digest of its code so equal kernels dedupe."""
+    digest = code_digest(render(template, fn="KERNEL", **ctx))
     fn = f"{family}_{variant}_{digest}"
     source = render(template, fn=fn, **ctx)
     return KernelSpec(name=fn, family=family, source=source, fn=fn, params=params, constexprs=constexprs,

@@ -1,41 +1,52 @@
-"""Views and ops without a Triton template: realised with torch (views) or the reference op.
+"""Views and torch-realised ops: host-side aliases, and calls of the op's reference implementation.
 
-Reshapes of contiguous buffers are free views. Anything else calls the op's reference
-implementation from the registry, so a graph with an unusual op still runs (slower), and
-the host program says so in a comment.
+Reshapes of contiguous buffers are free views. Other views, and every op that a torch
+implementation realises (the whole CPU program, data movement everywhere, an op no generated
+kernel takes), call the op's reference semantics from the registry through ``ref``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
-from portlayer.codegen.kernels.context import GenContext, GroupCode, host_dim
+from portlayer.codegen.kernels.context import GenContext, host_dim
+from portlayer.codegen.lowering import GroupCode, KernelGroup
+from portlayer.flatten.ir import Node
 
 
-def build_view(ctx: GenContext, group: dict[str, Any]) -> GroupCode:
+def view_lines(ctx: GenContext, nodes: Sequence[Node]) -> list[str]:
     lines: list[str] = []
-    for name in group["nodes"]:
-        n = ctx.nodes[name]
+    for n in nodes:
         if n.op == "reshape":
             shape = ", ".join(host_dim(d) for d in n.outputs[0].type.shape)
             lines.append(f"{n.outputs[0].name} = {n.inputs[0]}.reshape({shape})")
         else:
-            lines += build_reference(ctx, {"nodes": [name]}).lines
+            lines += reference_lines(ctx, [n])
             lines.append(f"{n.outputs[0].name} = {n.outputs[0].name}.contiguous()  # kernels read dense rows")
-    return GroupCode([], lines, [])
+    return lines
 
 
-def build_reference(ctx: GenContext, group: dict[str, Any], reason: str = "") -> GroupCode:
-    lines = [f"# reference op (no Triton template{': ' + reason if reason else ''})"] if reason else []
-    for name in group["nodes"]:
-        n = ctx.nodes[name]
+def build_view(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    return GroupCode([], view_lines(ctx, group.nodes), [])
+
+
+def reference_lines(ctx: GenContext, nodes: Sequence[Node], reason: str = "") -> list[str]:
+    lines = [f"# reference op: {reason}"] if reason else []
+    for n in nodes:
         ins = ", ".join(i if i is not None else "None" for i in n.inputs)
         outs = ", ".join(v.name for v in n.outputs)
         lines.append(f"{outs}, = ref({n.op!r}, [{ins}], {attrs_literal(n.attrs)}, st)")
-    return GroupCode([], lines, [])
+    return lines
 
 
-def attrs_literal(attrs: dict[str, Any]) -> str:
+def build_reference(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    reason = ""
+    if group.impl == "reference":
+        reason = f"no registered implementation accepts {', '.join(n.op for n in group.nodes)} on this target"
+    return GroupCode([], reference_lines(ctx, group.nodes, reason), [])
+
+
+def attrs_literal(attrs: dict) -> str:
     """repr() of the attrs, with non-finite floats (masked_fill(-inf) in MoE routers) spelled
     so that the generated program parses: repr(-inf) is a bare name."""
     text = repr(attrs)

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
-from portlayer.codegen.kernels.context import GenContext, GroupCode, host_numel, make_kernel
+from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel
+from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import Param, ptr
-from portlayer.flatten.ir import normalize_dim
+from portlayer.flatten.ir import Node, normalize_dim
 
 
-def build_pointwise(ctx: GenContext, group: dict[str, Any], node_names: list[str] | None = None,
+def accepts_pointwise(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
+    """One iteration shape, and every op and broadcast expressible in the generated chain."""
+    shapes = {tuple(normalize_dim(d) for d in n.outputs[0].type.shape) for n in nodes}
+    if len(shapes) != 1:
+        return False, f"pointwise nodes iterate over different shapes {sorted(map(str, shapes))}"
+    try:
+        lower_chain(nodes, query.types, nodes[-1].outputs[0].type.shape, IndexContext(full="offs", mask="mask"))
+    except Unsupported as e:
+        return False, f"the pointwise template cannot express it: {e}"
+    return True, ""
+
+
+def build_pointwise(ctx: GenContext, group: KernelGroup, nodes: list[Node] | None = None,
                     outputs: list[str] | None = None) -> GroupCode:
-    nodes = [ctx.nodes[n] for n in (node_names or group["nodes"])]
-    outputs = outputs or group["outputs"]
+    nodes = nodes or group.nodes
+    outputs = outputs or group.outputs
     out_shape = ctx.types[outputs[0]].shape
     if any([normalize_dim(d) for d in ctx.types[o].shape] != [normalize_dim(d) for d in out_shape] for o in outputs):
         raise Unsupported("pointwise group outputs differ in shape")
@@ -28,8 +39,7 @@ def build_pointwise(ctx: GenContext, group: dict[str, Any], node_names: list[str
     params += [Param("n_elements", "i32"), Param("BLOCK", "constexpr")]
     spec = make_kernel(
         "triton/pointwise.py.j2", "pointwise", "_".join(ops[:4]), params, {"BLOCK": cfg["BLOCK"]},
-        cfg["num_warps"], doc=f"Fused pointwise: {' -> '.join(ops)}.", node_names=[n.name for n in nodes],
-        ptrs=ptrs, loads=loads, lines=body.lines, stores=stores, out_shape=list(out_shape),
+        cfg["num_warps"], doc=f"Fused pointwise: {' -> '.join(ops)}.", ptrs=ptrs, loads=loads, lines=body.lines, stores=stores, out_shape=list(out_shape),
     )
     n = host_numel(out_shape)
     args = ", ".join([op.value for op in body.operands] + list(outputs))

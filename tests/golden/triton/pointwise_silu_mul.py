@@ -5,14 +5,14 @@ import triton.language as tl
 
 
 @triton.jit
-def pointwise_silu_mul_6e62c5(
+def pointwise_silu_mul_972736(
     x0_ptr,
     x1_ptr,
     out0_ptr,
     n_elements,
     BLOCK: tl.constexpr,
 ):
-    # One program writes BLOCK consecutive elements of the ['num_tokens', 128] output(s).
+    # One program writes BLOCK consecutive elements of the output(s).
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def attn_prefill_paged_fp32_7f0706(
+def attn_prefill_paged_bf16_261673(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -64,7 +64,7 @@ def attn_prefill_paged_fp32_7f0706(
             kvmask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k)) * scale
             keep = nmask[None, :]
             keep = keep & (n[None, :] <= q_pos[:, None])
             s = tl.where(keep, s, float("-inf"))
@@ -73,7 +73,7 @@ def attn_prefill_paged_fp32_7f0706(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def reshape_and_cache_fp32_34325f(
+def reshape_and_cache_bf16_f2d25f(
     k_ptr,
     v_ptr,
     k_cache_ptr,

@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def embedding_fp32_f7f161(
+def embedding_bf16_2a9561(
     weight_ptr,
     ids_ptr,
     out_ptr,

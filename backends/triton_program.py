@@ -27,7 +27,8 @@ def triton_cache_dir() -> Path:
 
 def compile_program(result: Any, out_dir: Path | str, descriptor: Any) -> list[Path]:
     """Generate the program for a PipelineResult-like object (graph, plan) into ``out_dir``."""
-    from portlayer.codegen.program import generate, write_program
+    from portlayer.backends.generate import generate
+    from portlayer.codegen.program import write_program
 
     plan = getattr(result, "plan", None)
     gen = generate(result.graph, plan, getattr(result, "descriptor", None) or descriptor)

@@ -1,6 +1,6 @@
 """Row rms_norm.
 
-One program normalises one row of N = 16 elements held in registers (BLOCK_N >= N).
+One program normalises one row of N elements held in registers (BLOCK_N >= N, both constexpr).
 """
 
 import triton
@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def reduction_rms_norm_fp32_8c1f7c(
+def reduction_rms_norm_bf16_d1a78b(
     x_ptr,
     w_ptr,
     out_ptr,
@@ -23,6 +23,7 @@ def reduction_rms_norm_fp32_8c1f7c(
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / N
     y = x * tl.rsqrt(mean_sq + eps)
+    y = y.to(tl.bfloat16).to(tl.float32)  # HF casts back to the input dtype before the weight
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = y * w
     tl.store(out_ptr + row * N + cols, y, mask=mask)
