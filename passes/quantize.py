@@ -88,11 +88,11 @@ def _replace(g: Graph, names: set[str], i: int, q: torch.Tensor, s: torch.Tensor
 
 
 def _native(g: Graph, names: set[str], targets: list[int]) -> int:
-    from portlayer.flatten.gguf_source import load_native
+    from portlayer.flatten.gguf_source import GGUFError, load_native
 
     blocks = load_native(g.meta.get("source"))
     if not blocks:
-        raise ValueError(
+        raise GGUFError(
             f"quantize: the plan asks for 'native' but the model source {g.meta.get('source')!r} carries no "
             "GGUF block weights; compile the .gguf file itself, or use --quantize int8/int4"
         )
@@ -107,7 +107,7 @@ def _native(g: Graph, names: set[str], targets: list[int]) -> int:
         dq = nw.dequantized()
         tol = 1e-5 if g.weights[n.inputs[1]].dtype == torch.float32 else 1e-2
         if tuple(dq.shape) != tuple(w.shape) or float((dq - w).abs().max()) > tol * max(1.0, float(w.abs().max())):
-            raise ValueError(f"quantize: the GGUF block weight for {key} does not match the captured weight "
+            raise GGUFError(f"quantize: the GGUF block weight for {key} does not match the captured weight "
                              f"{n.inputs[1]} (shape {tuple(dq.shape)} vs {tuple(w.shape)}); refusing to run other numbers")
         _replace(g, names, i, nw.qweight, nw.scales, nw.offsets, nw.bits, nw.group_size,
                  f"native GGUF {nw.fmt}, group {nw.group_size}")
