@@ -12,10 +12,10 @@ import json
 import sys
 import time
 
-from portlayer.errors import PortlayerError
+from portlayer.errors import UsageError
 
 
-class CLIUsageError(PortlayerError):
+class CLIUsageError(UsageError):
     """A command-line value that cannot be used as given."""
 
 
@@ -120,6 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIUsageError(str(e)) from None
     engine = _open(args)
+    if args.prompt is not None and engine.tokenizer is None:
+        raise CLIUsageError(f"{args.artifact} has no tokenizer (its model directory had no tokenizer files), so "
+                            "--prompt TEXT cannot be encoded; pass token ids instead: --prompt-ids 1,2,3")
     prompts = _prompts(args, engine)
     if args.stop and engine.tokenizer is None:
         raise CLIUsageError("--stop matches text, and this model has no tokenizer; drop --stop")
@@ -156,6 +159,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_embed(args: argparse.Namespace) -> int:
     engine = _open(args)
+    if engine.tokenizer is None:
+        raise CLIUsageError(f"{args.artifact} has no tokenizer (its model directory had no tokenizer files), so "
+                            "--text cannot be encoded; embed token ids from Python: engine.embed([[1, 2, 3]])")
     t0 = time.perf_counter()
     emb = engine.embed(args.text)
     dt = time.perf_counter() - t0
