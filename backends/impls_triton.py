@@ -126,6 +126,8 @@ def _attn_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
     q, k, v = (types[i] for i in node.inputs[:3])
     if v.shape[-1] != q.shape[-1] or int(q.shape[1]) % int(k.shape[1]):
         return False, "the kernels want v's head_dim equal to q's and Hq a multiple of Hkv"
+    if node.attrs.get("sliding_window") and not node.attrs.get("causal", True):
+        return False, "a two-sided local window (bidirectional + sliding_window, ModernBERT) is not in the kernels' masks"
     return _float_out(node, types)
 
 

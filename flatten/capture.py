@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from portlayer.errors import PortlayerError
-from portlayer.flatten import hf_attention
+from portlayer.flatten import hf_attention, hf_moe
 from portlayer.flatten.ir import Graph
 
 TOKEN_SYMBOL = "num_tokens"
@@ -113,6 +113,7 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
     _check_loading_info(p, model, info, archs)
     if check_finite if check_finite is not None else os.environ.get(SKIP_FINITE_ENV) != "1":
         _check_finite(p, model)
+    hf_moe.use_portlayer_experts(model)
     return model.eval()
 
 
@@ -200,6 +201,7 @@ def _set_attn_impl(model: torch.nn.Module) -> None:
         model.set_attn_implementation(hf_attention.IMPL_NAME)
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = hf_attention.IMPL_NAME
+    hf_moe.use_portlayer_experts(model)
 
 
 class _TokenStream(torch.nn.Module):
@@ -291,11 +293,25 @@ def position_offset(model: torch.nn.Module, accepts: set[str]) -> int:
     )
 
 
+def record_layer_masks(model: torch.nn.Module, accepts: set[str]) -> None:
+    """One eager forward that records the mask HF builds for each attention layer (hf_masks)."""
+    from portlayer.flatten.hf_masks import recording_masks
+
+    with recording_masks(model), torch.no_grad():
+        try:
+            _TokenStream(model, accepts).eval()(torch.randint(0, 8, (5,)), torch.arange(5))
+        except ValueError as e:
+            if "capture is refused" in str(e):
+                raise CaptureError(str(e)) from e
+            raise
+
+
 def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export.ExportedProgram:
     """torch.export (strict=False) of the flat-stream wrapper with a dynamic token dim."""
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
+    record_layer_masks(model, accepts)
     wrapper = _TokenStream(model, accepts, position_offset(model, accepts)).eval()
     n = min(7, max_tokens)
     ids = torch.randint(0, 8, (n,), dtype=torch.long)
@@ -321,6 +337,7 @@ def capture(
     dtype: torch.dtype | None = None,
     raise_patterns: bool = True,
     progress: Callable[[str], None] | None = None,
+    verify: bool = True,
 ) -> Graph:
     """Capture an HF model (an nn.Module or a local HF directory) as a Flat IR graph.
 
@@ -328,6 +345,9 @@ def capture(
     output is logits [num_tokens, vocab] for causal LMs, the last hidden state
     [num_tokens, hidden] for encoders, or pooled (and normalised) embeddings
     [num_seqs, hidden] for sentence-transformers directories.
+
+    ``verify`` (default) runs flatten/selfcheck.py: the graph against the model's own
+    forward at lengths crossing its windows; a mismatch raises SelfCheckError.
     """
     from portlayer.flatten.from_export import convert_exported_program
     from portlayer.flatten.patterns import raise_patterns as run_patterns
@@ -336,7 +356,7 @@ def capture(
     st_info: SentenceTransformerInfo | None = None
     source = None
     if isinstance(model, (str, os.PathLike)):
-        from portlayer.builtin_models import resolve_model
+        from portlayer.flatten.builtin_models import resolve_model
 
         path = resolve_model(str(model))
         source = str(path)
@@ -367,6 +387,7 @@ def capture(
     graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
     check_missing_weights(module, graph)
     graph.meta.update(facts)
+    graph.meta.update(_kv_facts(graph))
     from portlayer.flatten.task import task_of_model
 
     graph.meta["task"] = task_of_model(module)
@@ -376,6 +397,7 @@ def capture(
     if raise_patterns:
         say("raising patterns to portable ops")
         graph = run_patterns(graph)
+    _verify(graph, module, verify, say)
     if st_info is not None and st_info.pooling is not None:
         from portlayer.flatten.pooling import append_pooling
 
@@ -383,3 +405,30 @@ def capture(
         if st_info.max_seq_length:
             graph.meta["max_seq_length"] = st_info.max_seq_length
     return graph
+
+
+def _verify(graph: Graph, module: torch.nn.Module, verify: bool, say: Callable[[str], None]) -> None:
+    """The capture self-check (flatten/selfcheck.py), or a warning that it was skipped."""
+    if not verify:
+        import warnings
+
+        msg = "capture self-check skipped (--no-verify): the graph was not compared with the model's own forward"
+        warnings.warn(msg, stacklevel=3)
+        say(msg)
+        return
+    from portlayer.flatten.selfcheck import self_check
+
+    say("self-check against the model's own forward")
+    self_check(graph, module)
+
+
+def _kv_facts(graph: Graph) -> dict[str, Any]:
+    """KV-cache shape from the attention ops themselves (configs disagree: DeepSeek's
+    ``head_dim`` is its rope width, its expanded MLA keys are nope + rope wide, values v wide)."""
+    attn = graph.find("attention")
+    types = graph.value_types()
+    shapes = {(types[n.inputs[1]].shape[1], types[n.inputs[1]].shape[2], types[n.inputs[2]].shape[2]) for n in attn}
+    if len(shapes) != 1 or not all(isinstance(d, int) for d in next(iter(shapes))):
+        return {}
+    heads, k_dim, v_dim = next(iter(shapes))
+    return {"num_kv_heads": heads, "head_dim": k_dim, "v_head_dim": v_dim}

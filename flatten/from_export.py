@@ -162,6 +162,16 @@ class Converter:
         return g
 
     def _call(self, node: torch.fx.Node) -> Any:
+        from portlayer.flatten.from_export_inplace import convert_mutation, mutates
+
+        if mutates(node):
+            return convert_mutation(self, node)
+        from portlayer.flatten.from_export_complex import convert_complex, is_complex
+
+        args = [self._resolve(a) for a in node.args]
+        kwargs = {k: self._resolve(v) for k, v in node.kwargs.items()}
+        if is_complex(args) or is_complex(list(kwargs.values())):
+            return convert_complex(self, node, args, kwargs)
         target = node.target
         handler = _TABLE.get(target)
         if handler is None and hasattr(target, "overloadpacket"):
@@ -172,8 +182,6 @@ class Converter:
                 "mapping to a portable op. Add a @lower handler in portlayer/flatten/from_export_table.py or from_export_compute.py "
                 "(or register a new op in flatten/op_defs/) and a test."
             )
-        args = [self._resolve(a) for a in node.args]
-        kwargs = {k: self._resolve(v) for k, v in node.kwargs.items()}
         return handler(self, node, args, kwargs)
 
     def _resolve(self, a: Any) -> Any:
@@ -203,9 +211,31 @@ def _renumber_attention_layers(g: Graph) -> None:
 
 def convert_exported_program(ep: ExportedProgram, token_symbol: str = "num_tokens") -> Graph:
     """Convert an ExportedProgram (pre-decomposition ATen) into a Flat IR Graph."""
-    from portlayer.flatten import from_export_compute, from_export_table  # noqa: F401  (fill _TABLE)
+    from portlayer.flatten import (  # noqa: F401  (fill _TABLE)
+        from_export_complex,
+        from_export_compute,
+        from_export_inplace,
+        from_export_moe,
+        from_export_table,
+    )
 
-    return Converter(ep, token_symbol).run()
+    return Converter(functionalized(ep), token_symbol).run()
+
+
+def functionalized(ep: ExportedProgram) -> ExportedProgram:
+    """In-place ops (``x /= s``, ``copy_`` into a view of a fresh tensor, ``scatter_``) made pure.
+
+    The op-by-op table maps values, not storage. Mutations of fresh tensors (and of one slice
+    of one) that no earlier view still reads are converted in place by the converter
+    (from_export_inplace.convert_mutation); anything else is rewritten by torch.export's own
+    functionalization (run_decompositions with an empty table: no op is decomposed), which
+    costs a second trace.
+    """
+    from portlayer.flatten.from_export_inplace import directly_convertible
+
+    if directly_convertible(ep.graph):
+        return ep
+    return ep.run_decompositions({})
 
 
 __all__ = ["Converter", "Sym", "UnsupportedOpError", "convert_exported_program", "lower", "module_path", "operator"]

@@ -8,6 +8,11 @@ the softcap. We forward them to the custom op ``portlayer::attention`` on token-
 [T, H, D] tensors, so the exported graph holds one node per layer that from_export maps
 to the portable ``attention`` op. Masks and sequence boundaries become runtime metadata,
 which is what the flat token stream needs.
+
+Per-layer causality and window come from the mask HF built for that very layer (recorded by
+flatten/hf_masks.py during a probe forward), never from module attributes: eager HF applies
+the mask, and the mask is what the captured graph must reproduce. Scale and softcap are the
+arguments the layer passes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Any
 
 import torch
 
-IMPL_NAME = "portlayer"
+from portlayer.flatten.hf_masks import IMPL_NAME, MaskSpec
+
+__all__ = ["IMPL_NAME", "portlayer_attention_forward", "register"]
 
 
 @torch.library.custom_op("portlayer::attention", mutates_args=())
@@ -69,16 +76,25 @@ def portlayer_attention_forward(
             f"portlayer captures one flattened token stream (batch 1); got query batch {query.shape[0]} "
             f"in {type(module).__name__}"
         )
-    if attention_mask is not None and attention_mask.dim() == 4:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         raise ValueError(
             f"{type(module).__name__} passed an explicit 4-D attention mask; portlayer builds masks from "
             "attention metadata at run time. Capture without attention_mask."
         )
     module._portlayer_attention_seen = True
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    spec = attention_mask if isinstance(attention_mask, MaskSpec) else module.__dict__.get("_portlayer_mask")
+    if isinstance(attention_mask, MaskSpec):
+        module._portlayer_mask = attention_mask
+    if spec is not None:
+        if spec.error:
+            raise ValueError(f"{type(module).__name__}: {spec.error}; capture is refused rather than changing "
+                             "which tokens attend to which")
+        causal, window = spec.causal, spec.sliding_window
+    else:  # the model built no mask through masking_utils: only the arguments say it
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        window = sliding_window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    cap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
+    cap = softcap
     # The KV-cache layer index is assigned later, in graph order (from_export), so that
     # modules without ``layer_idx`` (BERT) are numbered too.
     layer = 0

@@ -121,6 +121,7 @@ def compile(  # noqa: A001 - the public name users expect
     quantize: str | None = None,
     progress: bool = True,
     strict: bool = False,
+    verify: bool = True,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
@@ -138,6 +139,8 @@ def compile(  # noqa: A001 - the public name users expect
         check_output_dir(Path(output).absolute())
     stages = Stages(progress)
     options = _options(dtype, quantize, strict)  # strict: refuse a lossy format below the quality gate
+    if not verify:  # skip the capture self-check (flatten/selfcheck.py); keyed apart in the cache
+        options["verify"] = False
     desc = resolve_target(target)
     src = _model_source(model)
     key = cache.cache_key(src.sha256, desc.sha256, options)

@@ -89,7 +89,7 @@ CAPTURE_FORMAT = "portlayer.captured"
 CAPTURE_MANIFEST = "captured.json"
 
 
-def capture_cached(path: Path, model_sha: str, say: Callable[[str], None]) -> Graph:
+def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
     """Capture an HF directory, reusing an earlier capture of identical files and toolkit.
 
     The entry is content-addressed (its name is a hash of the model files' hashes and the
@@ -100,7 +100,7 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None]) -> Gr
     from portlayer.flatten import capture
     from portlayer.runtime.cache import _sha, cache_root, toolkit_fingerprint
 
-    key = _sha([model_sha, toolkit_fingerprint()])
+    key = _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))
     entry = cache_root() / "captured" / key[:24]
     if entry.exists():
         try:
@@ -113,7 +113,7 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None]) -> Gr
             warnings.warn(f"capture cache entry {entry} is damaged or was modified ({e}); capturing again",
                           UserWarning, stacklevel=2)
             _discard(entry)
-    graph = capture(path, progress=say)
+    graph = capture(path, progress=say, verify=verify)
     _store_capture(graph, entry, key)
     return graph
 
@@ -258,9 +258,9 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         if isinstance(src.obj, Graph):
             graph = src.obj
         elif isinstance(src.obj, torch.nn.Module):
-            graph = capture(src.obj, progress=say)
+            graph = capture(src.obj, progress=say, verify=options.get("verify", True))
         else:
-            graph = capture_cached(src.path, src.sha256, say)
+            graph = capture_cached(src.path, src.sha256, say, verify=options.get("verify", True))
         from portlayer.flatten.logits import select_logit_rows
 
         graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows

@@ -21,6 +21,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="weight-only quantization (native: keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks)")
     p.add_argument("--strict", action="store_true", help="refuse a --quantize format below the quality gate (docs/quantization.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the capture self-check against the model's own forward (warns)")
     p.set_defaults(func=run_compile)
 
     v = sub.add_parser("validate", help="re-run an artifact's validation set on this device",
@@ -63,7 +65,8 @@ def run_compile(args: argparse.Namespace) -> int:
     import portlayer
 
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
-                            quantize=args.quantize, progress=not args.no_progress, strict=args.strict)
+                            quantize=args.quantize, progress=not args.no_progress, strict=args.strict,
+                            verify=not args.no_verify)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")

@@ -120,7 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIUsageError(str(e)) from None
     engine = _open(args)
-    if args.prompt is not None and engine.tokenizer is None:
+    if args.prompt_ids is None and engine.tokenizer is None:
         raise CLIUsageError(f"{args.artifact} has no tokenizer (its model directory had no tokenizer files), so "
                             "--prompt TEXT cannot be encoded; pass token ids instead: --prompt-ids 1,2,3")
     prompts = _prompts(args, engine)

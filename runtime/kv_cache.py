@@ -1,7 +1,8 @@
 """Per-layer paged K/V tensors, sized from the Plan and allocated through the backend adapter.
 
 Layout per layer (the attention op's contract): key and value caches of
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Memory comes from
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (values: ``v_head_dim`` when it differs,
+as in DeepSeek's expanded MLA: K 192 wide, V 128). Memory comes from
 ``BackendAdapter.allocate`` so it honours the descriptor's alignment (vendor kernels
 reject or slow down on misaligned buffers); the block count is whatever fits the budget.
 """
@@ -30,6 +31,11 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    v_head_dim: int | None = None  # None: the same as head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @staticmethod
     def from_meta(meta: Mapping[str, Any], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -40,13 +46,15 @@ class KVCacheSpec:
                 f"graph.meta lacks {missing} (model {meta.get('source', '?')}); the KV cache is sized from them. "
                 "Capture the model with portlayer.flatten.capture, which records them."
             )
-        return KVCacheSpec(int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"]), block_size, dtype)
+        v = int(meta["v_head_dim"]) if meta.get("v_head_dim") else None
+        return KVCacheSpec(int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"]), block_size, dtype,
+                           v if v != int(meta["head_dim"]) else None)
 
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block across every layer."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.block_size * self.num_kv_heads * (self.head_dim + self.value_dim) * itemsize
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return int(budget_bytes // self.bytes_per_block)
@@ -63,13 +71,13 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, backend: Any) -> list
             f"the KV cache budget holds no block ({spec.bytes_per_block} bytes per block of {spec.block_size} tokens "
             f"over {spec.num_layers} layers); raise kv_cache_budget_bytes"
         )
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
-    nbytes = num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim * itemsize
     caches = []
     for _ in range(spec.num_layers):
         pair = []
-        for _ in range(2):
+        for dim in (spec.head_dim, spec.value_dim):
+            shape = (num_blocks, spec.block_size, spec.num_kv_heads, dim)
+            nbytes = num_blocks * spec.block_size * spec.num_kv_heads * dim * itemsize
             raw = backend.allocate(nbytes)
             t = raw[:nbytes].view(spec.dtype).view(shape)
             t.zero_()

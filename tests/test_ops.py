@@ -374,6 +374,33 @@ case("arange", "tokens", [], [], {"end": "num_tokens"}, [tt("int64", "num_tokens
      ctx=_ctx)
 case("arange", "step", [], [], {"start": 2, "end": 11, "step": 3}, [tt("int64", 3)], torch.tensor([2, 5, 8]), ctx=_ctx)
 
+# mixture of experts (flatten/op_defs/moe.py): plain-Python selections, one token at a time for the experts
+_top3 = [sorted(range(8), key=lambda j, r=r: -r[j])[:3] for r in _rows]
+case("topk", "k3", [F32], [XS], {"k": 3, "dim": 1}, [tt("float32", "num_tokens", 3), tt("int64", "num_tokens", 3)],
+     [torch.tensor([[r[j] for j in idx] for r, idx in zip(_rows, _top3)]), torch.tensor(_top3)])
+SI = rint(0, 4, T, 2)
+case("scatter", "value", [tt("float32", "num_tokens", 4), tt("int64", "num_tokens", 2)], [torch.zeros(T, 4), SI],
+     {"dim": 1, "value": 1.0}, [tt("float32", "num_tokens", 4)],
+     torch.tensor([[1.0 if j in SI[t].tolist() else 0.0 for j in range(4)] for t in range(T)]))
+ME_IDS, ME_W, ME_GU, ME_D = rint(0, 3, T, 2), torch.rand(T, 2), rnd(3, 8, 8), rnd(3, 8, 4)
+
+
+def _moe_want() -> torch.Tensor:
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(8, dtype=torch.float64)
+        for j in range(2):
+            e = int(ME_IDS[t, j])
+            h = ME_GU[e].double() @ XS[t].double()
+            acc += float(ME_W[t, j]) * (ME_D[e].double() @ (torch.nn.functional.silu(h[:4]) * h[4:]))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+case("moe_experts", "top2-of-3", [F32, tt("int64", "num_tokens", 2), tt("float32", "num_tokens", 2),
+     tt("float32", 3, 8, 8), tt("float32", 3, 8, 4)], [XS, ME_IDS, ME_W, ME_GU, ME_D],
+     {"num_experts": 3, "top_k": 2, "intermediate_size": 4}, [F32], _moe_want(), atol=1e-4, rtol=1e-4)
+
 
 # ---- the tests ---------------------------------------------------------------------------------
 

@@ -95,7 +95,10 @@ def attention_reference(
     q_pos: torch.Tensor,
 ) -> torch.Tensor:
     """Dense attention of one sequence: q [L, Hq, D] at positions ``q_pos`` against k/v
-    [S, Hkv, D] at positions 0..S-1. float32 math, output in q's dtype."""
+    [S, Hkv, D] at positions 0..S-1. float32 math, output in q's dtype.
+
+    ``sliding_window`` w keeps keys with q - k < w; without ``causal`` it is two-sided,
+    |q - k| < w (ModernBERT-style local attention)."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf, kf, vf = q.float(), k.float(), v.float()
@@ -109,8 +112,10 @@ def attention_reference(
     mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
     if causal:
         mask &= kpos[None, :] <= q_pos[:, None]
-    if sliding_window:
+    if sliding_window:  # causal: the last w positions; bidirectional: w-1 either side (|q - k| < w)
         mask &= kpos[None, :] > q_pos[:, None] - sliding_window
+        if not causal:
+            mask &= kpos[None, :] < q_pos[:, None] + sliding_window
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)
