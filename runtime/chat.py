@@ -26,9 +26,8 @@ def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generati
                 **template_kwargs: Any) -> list[int]:  # fmt: skip
     """Token ids of ``messages`` rendered with the model's chat template (ChatTemplateError if it has none)."""
     if not has_chat_template(tokenizer):
-        where = getattr(tokenizer, "name_or_path", None) or "this model"
-        raise ChatTemplateError(f"{where} has no chat template (no chat_template.jinja beside its tokenizer), so chat "
-                                "messages cannot be rendered; send a plain prompt instead")  # fmt: skip
+        raise ChatTemplateError("this model has no chat template (no chat_template.jinja beside its tokenizer), so "
+                                "chat messages cannot be rendered; send a plain prompt instead")  # fmt: skip
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **template_kwargs)  # fmt: skip

@@ -116,6 +116,9 @@ def test_stop_strings_and_stop_token_ids(srv, ref):
                               extra_body={"ignore_eos": True, "stop_token_ids": [tid]})  # fmt: skip
     assert r2.choices[0].text == want and r2.usage.completion_tokens == k + 1
     assert r2.choices[0].finish_reason == "stop" and r2.choices[0].model_extra["stop_reason"] == tid
+    r3 = c.completions.create(model="tiny", prompt="Stop here", max_tokens=24, temperature=0, stop=[tid],
+                              extra_body={"ignore_eos": True})  # integers in `stop` are token ids  # fmt: skip
+    assert r3.choices[0].text == want
 
 
 def test_n2_and_seed_reproducible(srv, ref):
@@ -149,6 +152,16 @@ def test_completion_logprobs_match_hf(srv, ref, root):
         want = row.topk(3)
         assert {tok.decode([t]): v for t, v in zip(want.indices.tolist(), want.values.tolist())} == pytest.approx(top, abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # chat logprobs: the same numbers for the rendered prompt (completions' are checked against HF above)
+    messages = [{"role": "user", "content": "logprobs"}]
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    rc = client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                              logprobs=True, top_logprobs=2)  # fmt: skip
+    rp = client(srv).completions.create(model="tiny", prompt=chat_ids, max_tokens=3, temperature=0, logprobs=2)
+    content = rc.choices[0].logprobs.content
+    assert [x.token for x in content] == rp.choices[0].logprobs.tokens
+    assert [x.logprob for x in content] == pytest.approx(rp.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert all(len(x.top_logprobs) == 2 for x in content)
 
 
 def test_models_health_metrics(srv):
