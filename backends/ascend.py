@@ -113,4 +113,4 @@ class AscendAdapter(BackendAdapter):
                 self._require()
                 import torch_npu as npu  # noqa: F401 - the real stack
         device = "cpu" if getattr(npu, "is_emulator", False) else self.torch_device
-        return load_program(artifact_dir, weights, device, npu=npu)
+        return load_program(artifact_dir, weights, device, npu=npu, sources=options.get("sources"))

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from portlayer.errors import PortlayerError
+
 if TYPE_CHECKING:
     from portlayer.capabilities.descriptor import Descriptor
     from portlayer.capabilities.probe import DetectedDevice
 
 
-class BackendError(RuntimeError):
+class BackendError(PortlayerError, RuntimeError):
     """A backend could not do what was asked; the message says which backend and what to do."""
 
 
@@ -35,14 +37,19 @@ def round_up(n: int, multiple: int) -> int:
 class BackendAdapter(abc.ABC):
     """One device of one runtime. Subclasses set the class attributes and the abstract methods.
 
-    ``name`` is the registry key, ``device_type`` the descriptor device_type it serves,
-    ``codegen_family`` what codegen emits for it (triton | cann | torch).
+    ``name`` is the registry key, ``device_type`` the descriptor device_type it serves (any
+    lowercase identifier: a plugin may add one the shipped schema never heard of),
+    ``codegen_family`` what codegen emits for it (triton | cann | torch, or the plugin's own),
+    ``descriptor_files`` descriptor JSON files a plugin ships (found by name, like the shipped
+    ones). The adapter declares its devices (``probe``), and its graph-capture support
+    (``supports_graph_capture``); ``compile_program`` / ``load_program`` are optional.
     """
 
     name: ClassVar[str]
     device_type: ClassVar[str]
     codegen_family: ClassVar[str]
     torch_device_type: ClassVar[str]
+    descriptor_files: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, descriptor: Descriptor | None = None, index: int = 0) -> None:
         self.index = index

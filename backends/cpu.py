@@ -62,4 +62,4 @@ class CPUAdapter(BackendAdapter):
         """The Executable of a compiled artifact: its generated host program, run with torch on the CPU."""
         from portlayer.codegen.program import load_program
 
-        return load_program(artifact_dir, weights, "cpu")
+        return load_program(artifact_dir, weights, "cpu", sources=options.get("sources"))

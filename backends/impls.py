@@ -177,6 +177,10 @@ class GraphView:
     def is_param(self, value: str | None) -> bool:
         return value is not None and value in self.graph.params
 
+    def used_outside(self, value: str, members: set[str]) -> bool:
+        """The GroupQuery question a lowering's ``accepts`` asks (codegen/lowering.py)."""
+        return value in self.graph.outputs or any(u.name not in members for u in self.users(value))
+
 
 # ---- descriptor predicates (data, never device names) ---------------------------------------------
 

@@ -9,7 +9,6 @@ they absorb. None of these calls is ``fusible``: each is one opaque vendor kerne
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from portlayer.backends.impls import GraphView, Verdict, codegen_is, find, implementation, needs_feature
 from portlayer.codegen import cann as C

@@ -6,23 +6,26 @@ A third party ships an adapter as a package declaring, in its metadata::
     mydevice = "my_pkg.adapter:MyAdapter"
 
 The entry point may name a BackendAdapter subclass (registered under the entry point's
-name) or a module whose import registers adapters with ``@register_backend``.
+name) or a module whose import registers adapters with ``@register_backend``. The adapter
+declares the ``device_type`` it serves (any lowercase identifier: descriptors are open
+data), its ``codegen_family`` and its own ``probe()``; a descriptor picks the adapter that
+serves its device_type, whatever the adapter's registry name.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from portlayer.capabilities import plugins
 
 if TYPE_CHECKING:
     from portlayer.backends.base import BackendAdapter
     from portlayer.capabilities.descriptor import Descriptor
 
-ENTRY_POINT_GROUP = "portlayer.backends"
+ENTRY_POINT_GROUP = plugins.ENTRY_POINT_GROUP
 BUILTIN_MODULES = ("portlayer.backends.cpu", "portlayer.backends.cuda", "portlayer.backends.rocm", "portlayer.backends.xpu",
                    "portlayer.backends.ascend")
 
@@ -51,26 +54,26 @@ def _add(name: str, cls: Any, origin: str) -> None:
             f"backend {name!r} from {origin} clashes with the one from {_ORIGINS[name]}; "
             "rename one of the entry points"
         )
+    for attr in ("device_type", "codegen_family", "torch_device_type"):
+        val = getattr(cls, attr, None)
+        if not isinstance(val, str) or not val:
+            raise TypeError(f"backend {name!r} from {origin}: {cls.__name__}.{attr} must be a non-empty string "
+                            "(see backends/base.py for the adapter contract)")
     cls.name = name
     _REGISTRY[name] = cls
     _ORIGINS[name] = origin
+    plugins.declare_codegen_family(cls.codegen_family, origin)
 
 
-def _load_entry_points() -> None:
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = getattr(ep.dist, "name", "?") if ep.dist else "?"
-        origin = f"entry point {ep.name!r} = {ep.value!r} (distribution {dist})"
-        try:
-            obj = ep.load()
-            if inspect.isclass(obj):
-                _add(ep.name, obj, origin)
-        except Exception as e:  # a broken plugin must not break portlayer
-            warnings.warn(
-                f"skipping out-of-tree backend: {origin} failed to load: {type(e).__name__}: {e}. "
-                f"Fix or uninstall {dist}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+def _load_entry_points(refresh: bool) -> None:
+    for p in plugins.entry_point_plugins(refresh=refresh):
+        if inspect.isclass(p.obj):
+            try:
+                _add(p.name, p.obj, p.origin)
+            except (TypeError, ValueError) as e:  # a broken plugin must not break portlayer
+                import warnings
+
+                warnings.warn(f"skipping out-of-tree backend: {e}", RuntimeWarning, stacklevel=3)
 
 
 def load_backends(refresh: bool = False) -> None:
@@ -80,8 +83,18 @@ def load_backends(refresh: bool = False) -> None:
         return
     for mod in BUILTIN_MODULES:
         importlib.import_module(mod)
-    _load_entry_points()
+    _load_entry_points(refresh)
     _loaded = True
+
+
+def adapter_for_device_type(device_type: str) -> type[BackendAdapter] | None:
+    """The adapter serving ``device_type``: the one registered under that name, else any that declares it."""
+    load_backends()
+    cls = _REGISTRY.get(device_type)
+    if cls is not None and cls.device_type == device_type:
+        return cls
+    serving = [c for _, c in sorted(_REGISTRY.items()) if c.device_type == device_type]
+    return serving[0] if serving else None
 
 
 def available_backends(refresh: bool = False) -> list[str]:
@@ -127,9 +140,18 @@ def get_backend(target: str | Descriptor, index: int = 0) -> BackendAdapter:
                 "pass a descriptor .json path or run `portlayer devices`"
             ) from None
     assert isinstance(target, Descriptor)
-    if target.device_type not in _REGISTRY:
+    cls = adapter_for_device_type(target.device_type)
+    if cls is None:
+        served = ", ".join(sorted({c.device_type for c in _REGISTRY.values()}))
         raise KeyError(
-            f"descriptor {target.name!r} ({target.origin}) needs a {target.device_type!r} backend, which is not "
-            f"registered (have: {', '.join(sorted(_REGISTRY))}); install its adapter package"
+            f"descriptor {target.name!r} ({target.origin}) needs a backend for device_type {target.device_type!r}, "
+            f"which no registered adapter serves (served: {served}); install its adapter package (entry-point group "
+            f"{ENTRY_POINT_GROUP!r})"
         )
-    return _REGISTRY[target.device_type](target, index)
+    if cls.codegen_family != target.codegen:
+        raise KeyError(
+            f"descriptor {target.name!r} ({target.origin}) asks for codegen {target.codegen!r}, but the "
+            f"{target.device_type!r} adapter {cls.__name__} ({_ORIGINS[cls.name]}) generates {cls.codegen_family!r}; "
+            "fix $.codegen in the descriptor"
+        )
+    return cls(target, index)

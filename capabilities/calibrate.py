@@ -8,6 +8,7 @@ alignment, DMA engines, fence scope) are kept from the shipped descriptor probe 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import socket
@@ -22,6 +23,12 @@ from portlayer.capabilities.descriptor import deep_merge, load_descriptor, valid
 
 MATMUL_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 SLOW_FRACTION = 1 / 8  # a dtype slower than this share of fp32 is emulated: listed as absent
+SIGNIFICANT = 4  # measurements keep 4 significant digits: a slow dtype on a loaded host is never rounded to 0
+
+
+def _sig(x: float, digits: int = SIGNIFICANT) -> float:
+    """``x`` to ``digits`` significant digits; positive stays positive (round(x, 3) made 0.0004 TFLOP/s 0.0)."""
+    return float(f"{x:.{digits}g}")
 
 
 @dataclass(frozen=True)
@@ -181,10 +188,13 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
     stamp = f"calibrated on {date} on {socket.gethostname()} ({facts['name']}, torch {torch.__version__})"
 
     bandwidth = measure_copy_bandwidth(dev, sizes)
-    measured = {k: v for k in MATMUL_DTYPES if (v := measure_matmul(dev, k, sizes)) is not None}
-    floor = measured.get("fp32", 0.0) * SLOW_FRACTION
+    measured = {k: v for k in MATMUL_DTYPES
+                if (v := measure_matmul(dev, k, sizes)) is not None and math.isfinite(v) and v > 0}
+    if "fp32" not in measured:
+        raise RuntimeError(f"calibrate: the fp32 matmul on {dev} could not be timed; nothing to calibrate against")
+    floor = measured["fp32"] * SLOW_FRACTION
     throughput = {k: v for k, v in measured.items() if v >= floor or k == "fp32"}
-    slow = {k: round(v, 4) for k, v in measured.items() if k not in throughput}
+    slow = {k: _sig(v) for k, v in measured.items() if k not in throughput}
     launch_us = measure_launch_latency(dev, sizes)
 
     sources = dict(raw["sources"])
@@ -193,9 +203,9 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
     patch: dict[str, Any] = {
         "name": f"{base_name}-calibrated",
         "display_name": f"{facts['name']} (calibrated {date})",
-        "memory": {"bandwidth_gbps": round(bandwidth, 1)},
-        "throughput_tflops": {k: round(v, 3) for k, v in throughput.items()},
-        "launch_overhead_us": round(launch_us, 2),
+        "memory": {"bandwidth_gbps": _sig(bandwidth)},
+        "throughput_tflops": {k: _sig(v) for k, v in throughput.items()},
+        "launch_overhead_us": _sig(launch_us),
         "compute_units": {"count": int(facts["units"])},
         "calibration": {
             "date": date, "device": facts["name"], "torch": torch.__version__, "host": socket.gethostname(),
@@ -209,7 +219,7 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
     sources["launch_overhead_us"] = f"{stamp}: host time per tiny torch op"
     sources["compute_units.count"] = f"{stamp}: reported by the runtime"
     if facts.get("memory_bytes"):
-        patch["memory"]["capacity_gb"] = round(facts["memory_bytes"] / 1e9, 2)
+        patch["memory"]["capacity_gb"] = _sig(facts["memory_bytes"] / 1e9)
         sources["memory.capacity_gb"] = f"{stamp}: total memory reported by the runtime"
     if dev.type == "cpu":
         patch["features"] = sorted(set(raw["features"]) | set(_cpu_features()))

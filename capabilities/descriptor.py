@@ -11,12 +11,16 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from portlayer.capabilities.plugins import BUILTIN_CODEGEN, codegen_families, plugin_descriptors
+from portlayer.errors import PortlayerError
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_PATH = HERE / "schema.json"
@@ -40,7 +44,7 @@ DTYPE_KEYS = {
 }  # fmt: skip
 
 
-class DescriptorError(ValueError):
+class DescriptorError(PortlayerError, ValueError):
     """A descriptor broke a rule; carries the file, the JSON path and the rule for tooling."""
 
     def __init__(self, origin: str, path: str, rule: str, detail: str) -> None:
@@ -96,8 +100,34 @@ def _covered(path: str, sources: Mapping[str, str]) -> bool:
     return any(".".join(parts[:i]) in sources for i in range(len(parts), 0, -1))
 
 
+MAX_DEPTH = 32  # shipped descriptors nest 3 deep; anything far deeper is not a descriptor
+
+
+def _check_plain_data(raw: Any, origin: str) -> None:
+    """Finite numbers and bounded nesting, before any recursive validator sees the data.
+
+    JSON readers accept NaN and Infinity, and both pass ``exclusiveMinimum: 0`` checks
+    (NaN compares false), so they would reach the policy as throughput; a 100k-deep
+    document would make the schema validator recurse out of the stack.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(raw, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise DescriptorError(origin, _json_path(iter(path[:MAX_DEPTH])), "max_depth",
+                                  f"nests deeper than {MAX_DEPTH} levels; a descriptor is a shallow JSON object")
+        if isinstance(node, float) and not math.isfinite(node):
+            raise DescriptorError(origin, _json_path(iter(path)), "finite",
+                                  f"{node!r} is not a finite number; give the measured or datasheet value")
+        if isinstance(node, Mapping):
+            stack.extend((v, (*path, k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node))
+
+
 def validate(raw: Mapping[str, Any], origin: str = "<dict>") -> None:
-    """Raise DescriptorError for the first broken rule: schema first, then cross-field rules."""
+    """Raise DescriptorError for the first broken rule: plain data, schema, then cross-field rules."""
+    _check_plain_data(raw, origin)
     errors = sorted(_iter_schema_errors(raw), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
     if errors:
         raise _schema_error(origin, errors[0])
@@ -143,6 +173,12 @@ def _semantic_checks(raw: Mapping[str, Any], origin: str) -> None:
             raise DescriptorError(
                 origin, f"$.vendor_ops.{feat}", "listed_in_features", f"'{feat}' has a vendor op but is not in $.features"
             )
+    if raw["codegen"] not in BUILTIN_CODEGEN and raw["codegen"] not in codegen_families():
+        raise DescriptorError(
+            origin, "$.codegen", "known_codegen_family",
+            f"{raw['codegen']!r} is not a codegen family here (have: {', '.join(sorted(codegen_families()))}); "
+            "use one of them, or install the backend plugin that declares it",
+        )  # fmt: skip
     if raw["device_type"] != "cpu" and raw["codegen"] == "torch" and "graph_capture" in features:
         raise DescriptorError(origin, "$.features", "consistent_codegen", "torch codegen cannot graph-capture")
     sources = raw["sources"]
@@ -218,6 +254,11 @@ class Descriptor:
     @property
     def raw(self) -> dict[str, Any]:
         return json.loads(self._raw_json)
+
+    @property
+    def tuning(self) -> dict[str, Any]:
+        """Measured crossovers codegen follows ($.tuning; each number has its entry in sources)."""
+        return dict(self.raw.get("tuning", {}))
 
     def has(self, feature: str) -> bool:
         return feature in self.features
@@ -297,6 +338,11 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise DescriptorError(str(path), "$", "file_exists", "no such file") from None
     except json.JSONDecodeError as e:
         raise DescriptorError(str(path), "$", "valid_json", f"line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise DescriptorError(str(path), "$", "max_depth",
+                              f"nests too deeply to read; a descriptor is a shallow JSON object ({MAX_DEPTH} levels at most)") from None
+    except UnicodeDecodeError as e:
+        raise DescriptorError(str(path), "$", "valid_json", f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(data, dict):
         raise DescriptorError(str(path), "$", "type", f"top level must be an object, got {type(data).__name__}")
     return data
@@ -311,13 +357,17 @@ def load_descriptor(name_or_path: str | Path) -> Descriptor:
     if path.suffix == ".json" or path.exists() or "/" in text:
         return _load_file(path.resolve())
     shipped = DEVICES_DIR / f"{text}.json"
-    if not shipped.exists():
-        raise DescriptorError(
-            text, "$", "known_descriptor",
-            f"no shipped descriptor named {text!r}; shipped: {', '.join(list_descriptors())}; "
-            "or pass a path to a descriptor .json",
-        )  # fmt: skip
-    return _load_file(shipped)
+    if shipped.exists():
+        return _load_file(shipped)
+    from_plugins = plugin_descriptors()
+    if text in from_plugins:
+        return _load_file(from_plugins[text])
+    extra = f"; from plugins: {', '.join(sorted(from_plugins))}" if from_plugins else ""
+    raise DescriptorError(
+        text, "$", "known_descriptor",
+        f"no shipped descriptor named {text!r}; shipped: {', '.join(list_descriptors())}{extra}; "
+        "or pass a path to a descriptor .json",
+    )  # fmt: skip
 
 
 def _load_file(path: Path) -> Descriptor:

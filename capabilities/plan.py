@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from portlayer.errors import PortlayerError
+
 LAUNCH_FAMILIES = (
     "pointwise", "reduction", "rope", "gemm", "attention_decode", "attention_prefill", "embedding",
     "reshape_and_cache",
@@ -29,7 +31,7 @@ class Decision:
         return {"name": self.name, "value": self.value, "reason": self.reason}
 
 
-class PlanError(ValueError):
+class PlanError(PortlayerError, ValueError):
     """The model cannot be planned onto the device; the message says what to change."""
 
 

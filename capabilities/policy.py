@@ -17,6 +17,8 @@ from portlayer.capabilities.requirements import ITEMSIZE, ModelRequirements
 
 __all__ = ["ModelRequirements", "Plan", "Decision", "PlanError", "negotiate", "plan_for_graph"]
 
+#: overrides key carrying the quality gate's rejections {format: measured reason} into plan_for_graph
+GATE_REJECTED = "quality_gate_rejected"
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 GiB = 2**30
 
@@ -36,8 +38,10 @@ def _gib(n: float) -> str:
 class _Negotiation:
     """Decisions in dependency order; each method appends one Decision."""
 
-    def __init__(self, req: ModelRequirements, desc: Descriptor, overrides: Mapping[str, Any]) -> None:
+    def __init__(self, req: ModelRequirements, desc: Descriptor, overrides: Mapping[str, Any],
+                 quality: Mapping[str, Any] | None = None) -> None:
         self.r, self.d, self.o = req, desc, dict(overrides)
+        self.q = dict(quality or {})  # {"native": "Q4_1", "rejected": {format: measured reason}}
         self.out: list[Decision] = []
         self.v: dict[str, Any] = {}
 
@@ -86,14 +90,14 @@ class _Negotiation:
         if w > budget:
             for q in ("int8", "int4"):
                 if r.param_bytes_at(q) <= budget:
-                    self.add("weight_quantization", q, f"{dt} weights ({_gib(w)}) exceed the {_gib(budget)} budget; {q} fits")
+                    self._pick_quantization(q, f"{dt} weights ({_gib(w)}) exceed the {_gib(budget)} budget; {q} fits", budget)
                     return
             raise PlanError(
                 f"model {r.name} needs {_gib(r.param_bytes_at('int4'))} of weights even at int4, but {d.name} "
                 f"({d.origin}) offers {_gib(budget)}; pick a device with more memory or a smaller model"
             )
         if d.device_type == "cpu":
-            self.add("weight_quantization", "none", f"CPU target: weights stay {dt} ({_gib(w)} fit)")
+            self._pick_quantization("none", f"CPU target: weights stay {dt} ({_gib(w)} fit)", budget)
             return
         int4, peak = d.tflops("int4"), d.tflops(dt) or 0.0
         intensity = r.flops_per_token / max(1, r.bytes_per_token / r.itemsize * ITEMSIZE[dt])
@@ -104,11 +108,37 @@ class _Negotiation:
                 f"decode at batch 1 does {intensity:.1f} FLOP/byte, below the ridge {ridge:.0f} (memory-bound), and "
                 f"int4 runs at {int4:g} TOP/s >= 2x {DTYPE_SHORT.get(dt, dt)} {peak:g}: weight-only int4 reads {ITEMSIZE[dt] / 0.5:g}x fewer bytes"
             )
-            self.add("weight_quantization", "int4", why)
+            self._pick_quantization("int4", why, budget)
             return
         int4_txt = f"int4 {int4:g} < 2x {peak:g}" if int4 else "int4 absent"
         bound = "memory-bound" if memory_bound else "compute-bound"
-        self.add("weight_quantization", "none", f"weights ({_gib(w)}) fit; {int4_txt}; decode is {bound}")
+        self._pick_quantization("none", f"weights ({_gib(w)}) fit; {int4_txt}; decode is {bound}", budget)
+
+    # ---- quantization vs the quality gate (passes/quality_gate.py) --------------------------
+    def _pick_quantization(self, pick: str, why: str, budget: float) -> None:
+        """The policy's pick, unless the model ships native blocks (kept) or the quality gate measured
+        the pick below its thresholds (then the next format that fits, with the measured reason)."""
+        native, rejected = self.q.get("native"), dict(self.q.get("rejected") or {})
+        if native and "native" not in rejected:
+            self.add("weight_quantization", "native",
+                     f"the model file ships {native} blocks: kept as they are (linear_wq, group 32), the numbers "
+                     f"its authors shipped, not re-quantized (otherwise: {pick}, {why})")
+            return
+        chain = [pick] + (["int8"] if pick == "int4" else []) + (["none"] if pick != "none" else [])
+        notes = [f"{rej} rejected by the quality gate ({rejected[rej]})" for rej in rejected if rej != "native"]
+        if "native" in rejected:
+            notes.insert(0, f"native {native} rejected by the quality gate ({rejected['native']})")
+        for q in chain:
+            if q in rejected:
+                continue
+            fits = self.r.param_bytes_at(self.v["compute_dtype"] if q == "none" else q) <= budget
+            if q == pick:
+                self.add("weight_quantization", q, "; ".join([why, *notes]))
+                return
+            if fits:
+                self.add("weight_quantization", q, f"policy pick {pick} ({why}) fell back: " + "; ".join(notes) + f"; {q} fits")
+                return
+        self.add("weight_quantization", pick, f"{why}; " + "; ".join(notes) + "; nothing that passes the gate fits memory, so kept")
 
     def buffer_alignment(self) -> None:
         a = self.d.memory.alignment_bytes
@@ -295,17 +325,19 @@ class _Negotiation:
 
 
 def negotiate(
-    requirements: ModelRequirements, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None
+    requirements: ModelRequirements, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None,
+    quality: Mapping[str, Any] | None = None,
 ) -> Plan:
-    """The Plan for a model on a device; ``overrides`` force decisions (reason 'user override')."""
+    """The Plan for a model on a device; ``overrides`` force decisions (reason 'user override');
+    ``quality``: native block formats of the source and the quality gate's rejections."""
     desc = load_descriptor(descriptor) if not isinstance(descriptor, Descriptor) else descriptor
     overrides = dict(overrides or {})
     bad_dtype = overrides.get("compute_dtype")
     if bad_dtype is not None and bad_dtype not in ("float32", "bfloat16", "float16"):
         raise PlanError(f"--dtype {bad_dtype!r} is not a compute dtype; use float32, bfloat16 or float16")
-    if overrides.get("weight_quantization", "none") not in ("none", "int8", "int4"):
-        raise PlanError(f"quantization {overrides['weight_quantization']!r} unknown; use none, int8 or int4")
-    n = _Negotiation(requirements, desc, overrides)
+    if overrides.get("weight_quantization", "none") not in ("none", "int8", "int4", "native"):
+        raise PlanError(f"quantization {overrides['weight_quantization']!r} unknown; use none, int8, int4 or native")
+    n = _Negotiation(requirements, desc, overrides, quality)
     for step in (
         n.compute_dtype, n.weight_quantization, n.buffer_alignment, n.kv_block_size, n.prefill_chunk_size,
         n.max_batched_tokens, n.kv_cache_budget, n.max_num_seqs, n.graph_capture_sizes, n.launch_configs,
@@ -318,10 +350,17 @@ def negotiate(
         target_sha256=desc.sha256,
         decisions=tuple(n.out),
         overrides=overrides,
-        inputs={"requirements": requirements.to_json(), "descriptor": desc.raw},
+        inputs={"requirements": requirements.to_json(), "descriptor": desc.raw, **({"quality": dict(quality)} if quality else {})},
     )
 
 
-def plan_for_graph(graph: Any, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None) -> Plan:
-    """Convenience for the compile pipeline: requirements read from a Flat IR Graph."""
-    return negotiate(ModelRequirements.from_graph(graph), descriptor, overrides)
+def plan_for_graph(graph: Any, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None,
+                   rejected: Mapping[str, str] | None = None) -> Plan:
+    """Convenience for the compile pipeline: requirements read from a Flat IR Graph; ``rejected``:
+    formats the quality gate measured below its thresholds, with the measured reason."""
+    from portlayer.flatten.gguf_source import native_summary
+
+    overrides = dict(overrides or {})
+    rejected = overrides.pop(GATE_REJECTED, None) or rejected  # passed through run_pipeline's overrides
+    quality = {k: v for k, v in (("native", native_summary(graph.meta.get("source"))), ("rejected", dict(rejected or {}))) if v}
+    return negotiate(ModelRequirements.from_graph(graph), descriptor, overrides, quality or None)

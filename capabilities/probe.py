@@ -212,11 +212,39 @@ def _run_probe(kind: str, fn: Callable[[], list[DetectedDevice]]) -> list[Detect
         return [_skipped(kind, f"probing {kind} raised {type(e).__name__}: {e}")]
 
 
+BUILTIN_DEVICE_TYPES = ("cpu", "cuda", "rocm", "xpu", "ascend")
+_probing = False
+
+
+def _plugin_devices() -> list[DetectedDevice]:
+    """Devices of the device types plugin adapters add, from each adapter's own probe()."""
+    from portlayer.capabilities.plugins import plugin_probes
+
+    found: list[DetectedDevice] = []
+    for kind, probe in plugin_probes():
+        if kind in BUILTIN_DEVICE_TYPES:
+            continue  # an alternative adapter for a built-in kind: the built-in probe already ran
+        devs = _run_probe(kind, probe)
+        if not isinstance(devs, list) or not all(isinstance(d, DetectedDevice) for d in devs):
+            devs = [_skipped(kind, f"the {kind!r} plugin's probe() returned {type(devs).__name__}, "
+                                   "not a list of DetectedDevice; fix the plugin")]
+        found.extend(devs)
+    return found
+
+
 @functools.cache
 def _probe_all() -> tuple[DetectedDevice, ...]:
-    found: list[DetectedDevice] = []
-    for kind, fn in PROBES.items():
-        found.extend(_run_probe(kind, fn))
+    global _probing
+    if _probing:  # a plugin probe that asks probe_devices() sees the built-in devices only
+        return tuple(d for kind, fn in PROBES.items() for d in _run_probe(kind, fn))
+    _probing = True
+    try:
+        found: list[DetectedDevice] = []
+        for kind, fn in PROBES.items():
+            found.extend(_run_probe(kind, fn))
+        found.extend(_plugin_devices())
+    finally:
+        _probing = False
     return tuple(found)
 
 

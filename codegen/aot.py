@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of generated kernels for GPU targets, without a GPU.
 
-``python -m portlayer.codegen.aot ARTIFACT_DIR --target cuda:90:32 ...`` compiles every
+``python -m portlayer.codegen.aot ARTIFACT_DIR --target sm90 ...`` compiles every
 kernel listed in ARTIFACT_DIR/kernels.json with triton.compile and prints a JSON report
 (binary kind and size, shared memory, registers where reported). It runs as its own
 process because Triton fixes interpreted-or-compiled when triton.language is imported.
@@ -10,7 +10,6 @@ Intel XPU cannot be compiled here: PyPI Triton ships only the nvidia and amd bac
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -18,23 +17,68 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGETS = {"sm80": ("cuda", 80, 32), "sm90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64),
-           "gfx1100": ("hip", "gfx1100", 32)}  # fmt: skip
+#: descriptor device_type -> the Triton backend that compiles for it (PyPI Triton ships these two).
+TRITON_BACKENDS = {"cuda": "cuda", "rocm": "hip"}
 BINARY = {"cuda": "cubin", "hip": "hsaco"}
 
 
+def descriptor_target(desc: Any) -> tuple[str, str, tuple[str, Any, int]] | None:
+    """(alias such as 'sm90' or 'gfx942', descriptor name, GPUTarget triple) from a descriptor's
+    device_type, arch and warp_size; None when no installed Triton backend compiles for it."""
+    backend = TRITON_BACKENDS.get(desc.device_type)
+    if backend is None or desc.codegen != "triton":
+        return None
+    if backend == "cuda":
+        digits = desc.arch.removeprefix("sm_")
+        if not digits.isdigit():
+            return None
+        return f"sm{digits}", desc.name, ("cuda", int(digits), desc.warp_size)
+    return desc.arch, desc.name, ("hip", desc.arch, desc.warp_size)
+
+
+def targets() -> dict[str, tuple[str, Any, int]]:
+    """Alias -> GPUTarget triple for every shipped descriptor Triton can compile for here.
+
+    Derived from the descriptors' arch and warp fields (one entry per arch), so a new
+    descriptor is a new AOT target without touching this file.
+    """
+    from portlayer.capabilities.descriptor import list_descriptors, load_descriptor
+
+    out: dict[str, tuple[str, Any, int]] = {}
+    for name in list_descriptors():
+        t = descriptor_target(load_descriptor(name))
+        if t is not None:
+            out.setdefault(t[0], t[2])
+    return out
+
+
 def parse_target(text: str) -> tuple[str, Any, int]:
-    if text in TARGETS:
-        return TARGETS[text]
-    backend, arch, warp = text.split(":")
-    return backend, int(arch) if arch.isdigit() else arch, int(warp)
+    """An alias ('sm90', 'gfx942'), a descriptor name or .json path, or 'backend:arch:warp'."""
+    known = targets()
+    if text in known:
+        return known[text]
+    if text.count(":") == 2:
+        backend, arch, warp = text.split(":")
+        return backend, int(arch) if arch.isdigit() else arch, int(warp)
+    from portlayer.capabilities.descriptor import DescriptorError, load_descriptor
+
+    try:
+        t = descriptor_target(load_descriptor(text))
+    except DescriptorError as e:
+        raise SystemExit(f"--target {text!r}: not an AOT target ({', '.join(sorted(known))}), "
+                         f"'backend:arch:warp', or a loadable descriptor ({e})") from None
+    if t is None:
+        raise SystemExit(f"--target {text!r}: its descriptor is not a CUDA or ROCm Triton target; PyPI Triton "
+                         f"compiles only for {', '.join(sorted(known))}")
+    return t[2]
 
 
 def _module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"aot_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """Execute one kernel module from its bytes (read once; no import, no bytecode in the artifact)."""
+    from portlayer.codegen.source_loader import module_name, read_directory
+
+    src = read_directory(path.parent, (path.name,))
+    return src.exec_module(path, module_name(src, path, "aot"))
 
 
 def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> list[dict[str, Any]]:
@@ -67,12 +111,13 @@ def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
-    ap.add_argument("--target", action="append", default=[], help="sm80 | sm90 | gfx942 | gfx1100 | backend:arch:warp")
+    ap.add_argument("--target", action="append", default=[],
+                    help=f"{' | '.join(sorted(targets()))} | a descriptor name | backend:arch:warp (default: all)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile ahead of time", file=sys.stderr)
         return 2
-    report = compile_artifact(args.artifact, [parse_target(t) for t in args.target or list(TARGETS)])
+    report = compile_artifact(args.artifact, [parse_target(t) for t in args.target or list(targets())])
     print(json.dumps(report))
     return 0 if all(r["ok"] for r in report) else 1
 

@@ -33,6 +33,7 @@ import torch
 
 from portlayer.codegen.host_support import HostProgram
 from portlayer.codegen.kernels.context import GenContext, host_dim
+from portlayer.codegen.kernels.fallback import py_literal
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Graph, Node
 from portlayer.flatten.op_defs.attention import attention_reference, read_kv_cache
@@ -129,7 +130,7 @@ def _plan_swiglu(g: CannState) -> None:
 def _ref(g: CannState, n: Node, reason: str, group: str) -> None:
     ins = ", ".join(g.w(i) for i in n.inputs)
     outs = ", ".join(v.name for v in n.outputs)
-    g.emit(f"{outs}, = ref({n.op!r}, [{ins}], {n.attrs!r}, st)  # reference op (torch): {reason}")
+    g.emit(f"{outs}, = ref({n.op!r}, [{ins}], {py_literal(n.attrs)}, st)  # reference op (torch): {reason}")
     g.fallbacks.append((group, f"{n.name} ({n.op}): {reason}"))
 
 

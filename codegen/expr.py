@@ -162,6 +162,8 @@ EXPRESSIONS: dict[str, Callable[[list[str], Mapping[str, Any]], str]] = {
 BINARY = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
           "logical_and", "logical_or"}  # fmt: skip
 POINTWISE_OPS = frozenset(EXPRESSIONS) | {"cast"}
+FLOAT_MATH = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "cos", "sin", "tanh", "erf", "sigmoid", "silu", "gelu",
+              "div", "pow"}
 
 
 def _cast(x: str, dtype: str) -> str:
@@ -196,6 +198,10 @@ def lower_chain(
         if n.op not in POINTWISE_OPS:
             raise Unsupported(f"op {n.op!r} is not pointwise-fusable")
         args = [operand(v) for v in n.inputs if v is not None]
+        if n.op in FLOAT_MATH and n.outputs[0].type.dtype in FLOAT_DTYPES:
+            # integer inputs promote to float (torch.exp(int) is float): compute in float32
+            args = [a if types[v].dtype in FLOAT_DTYPES else f"{a}.to(tl.float32)"
+                    for a, v in zip(args, [i for i in n.inputs if i is not None])]
         attrs = n.attrs
         if n.op in BINARY and len(args) == 1:
             s = attrs["scalar"]

@@ -7,8 +7,6 @@ program live here, once, under test.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,17 +42,18 @@ def ref(op: str, inputs: Sequence[Any], attrs: Mapping[str, Any], st: StepState)
     return get_op(op).reference(list(inputs), attrs, ctx)
 
 
-def load_kernels(directory: Path, names: Sequence[str]) -> SimpleNamespace:
-    """Import each kernels/<name>.py (Triton needs real files to read the source from)."""
+def load_kernels(directory: Path, names: Sequence[str], sources: Any = None) -> SimpleNamespace:
+    """Execute each kernels/<name>.py from ``sources`` (codegen/source_loader.VerifiedSources: the
+    bytes checked at load time; read from ``directory`` once when not given), never importing
+    the file. Triton reads each kernel's source through linecache, where the loader put it."""
+    from portlayer.codegen.source_loader import module_name, read_directory
+
+    directory = Path(directory).resolve()
+    src = sources if sources is not None else read_directory(directory, ("*.py",))
     fns: dict[str, Any] = {}
     for name in names:
-        path = Path(directory) / f"{name}.py"
-        mod_name = f"portlayer_kernels_{abs(hash(str(path.resolve())))}_{name}"
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        assert spec and spec.loader, path
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
+        path = directory / f"{name}.py"
+        mod = src.exec_module(path, module_name(src, path, "portlayer_kernels"))
         for attr in dir(mod):
             if attr.startswith(name):
                 fns[attr] = getattr(mod, attr)
@@ -121,7 +120,7 @@ class HostProgram:
     def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", *,
                  layout: Mapping[str, Any], kernels_dir: Path | str | None = None, kernels: Any = None,
                  max_tokens: int | None = None, max_seqs: int = 256, capture_sizes: Sequence[int] = (),
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, sources: Any = None) -> None:
         self.device = torch.device(device)
         self.layout = layout
         dtypes = dict(layout["params"])
@@ -134,7 +133,8 @@ class HostProgram:
         if kernels is not None:
             self.K = kernels
         else:
-            self.K = load_kernels(Path(kernels_dir), self.KERNELS) if kernels_dir and self.KERNELS else SimpleNamespace()
+            self.K = (load_kernels(Path(kernels_dir), self.KERNELS, sources) if kernels_dir and self.KERNELS
+                      else SimpleNamespace())
         planned = int(layout.get("max_tokens") or 0)
         if planned and max_tokens and max_tokens > planned:
             raise ValueError(f"max_tokens={max_tokens} exceeds the {planned} tokens the memory plan laid the arena out "
@@ -201,7 +201,10 @@ class HostProgram:
     def run(self, feeds: Mapping[str, torch.Tensor], attn_metadata: AttentionMetadata | None,
             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> list[torch.Tensor]:
         """The Executable interface: outputs for one step (the caller owns them)."""
-        T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
+        if self.INPUTS and feeds[self.INPUTS[0]].dim():
+            T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
+        else:  # a graph without a token-stream input: the step's size comes from its metadata
+            T = int(attn_metadata.query_start_loc[-1]) if attn_metadata is not None else 1  # noqa: N806
         if self._graphable(T, attn_metadata, kv_caches):
             return self._replay(T, feeds, attn_metadata, kv_caches)
         st = StepState.build(attn_metadata, T, self.device, kv_caches)

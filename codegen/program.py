@@ -8,16 +8,17 @@ Generating a program is backends/generate.py's job (it needs the lowering regist
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from portlayer.codegen.host import GeneratedProgram
+
+if TYPE_CHECKING:
+    from portlayer.codegen.source_loader import VerifiedSources
 
 PROGRAM_LAYOUT = "program.json"
 
@@ -45,11 +46,12 @@ def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
     return files
 
 
-def read_layout(out_dir: Path | str) -> dict[str, Any]:
+def read_layout(out_dir: Path | str, data: bytes | None = None) -> dict[str, Any]:
+    """The program layout of ``out_dir`` (``data``: its verified bytes, instead of reading the file)."""
     path = Path(out_dir) / PROGRAM_LAYOUT
     try:
-        layout = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        layout = json.loads(data if data is not None else path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read the program layout ({e}); recompile the artifact") from e
     if not isinstance(layout, dict) or layout.get("format") != "portlayer-program/1":
         raise ValueError(f"{path}: not a portlayer program layout (format portlayer-program/1); recompile the artifact")
@@ -57,13 +59,18 @@ def read_layout(out_dir: Path | str) -> dict[str, Any]:
 
 
 def load_program(out_dir: Path | str, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
-                 **options: Any):
-    """Import <out_dir>/host.py and build its Program (allocates buffers once)."""
-    out = Path(out_dir)
-    name = f"portlayer_host_{abs(hash(str(out.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, out / "host.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod.Program(weights, device, layout=read_layout(out), kernels_dir=out / "kernels", **options)
+                 sources: VerifiedSources | None = None, **options: Any):
+    """Build the Program of <out_dir>/host.py (allocates buffers once).
+
+    ``sources``: the artifact's generated files as verified at load time (portlayer.load
+    passes them); host.py, program.json and the kernels then come from those bytes only.
+    Without it the directory is one the caller just generated: its files are read once,
+    never imported (no module import from the directory, no bytecode read or written there).
+    """
+    from portlayer.codegen.source_loader import module_name, read_directory
+
+    out = Path(out_dir).resolve()
+    src = sources if sources is not None else read_directory(out, ("*.py", PROGRAM_LAYOUT, "kernels/*.py"))
+    mod = src.exec_module(out / "host.py", module_name(src, out / "host.py", "portlayer_host"))
+    layout = read_layout(out, src.read(out / PROGRAM_LAYOUT))
+    return mod.Program(weights, device, layout=layout, kernels_dir=out / "kernels", sources=src, **options)

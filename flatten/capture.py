@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
+from portlayer.errors import PortlayerError
 from portlayer.flatten import hf_attention, hf_moe
 from portlayer.flatten.ir import Graph
 
 TOKEN_SYMBOL = "num_tokens"
 
 
-class CaptureError(RuntimeError):
+class CaptureError(PortlayerError, RuntimeError):
     """A model could not be captured; the message says what and what to do."""
 
 
@@ -65,8 +66,20 @@ def _read_sentence_transformer(path: Path) -> SentenceTransformerInfo | None:
     return SentenceTransformerInfo(pooling, normalize, int(max_len) if max_len else None)
 
 
-def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Load a local HF directory (config.json + weights) without touching the network."""
+#: set to 1 to skip the non-finite check of loaded weights (it reads every tensor once: minutes on huge models)
+SKIP_FINITE_ENV = "PORTLAYER_SKIP_WEIGHT_FINITE_CHECK"
+
+
+def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                  check_finite: bool | None = None) -> torch.nn.Module:
+    """Load a local HF directory (config.json + weights) without touching the network.
+
+    Refused, naming the file or the tensors: an unreadable config.json or model type, a
+    corrupt or truncated safetensors file, tensors whose shapes do not match the config,
+    tensors the model does not have, and (unless ``check_finite=False`` or
+    $PORTLAYER_SKIP_WEIGHT_FINITE_CHECK=1) NaN/Inf weights. Tensors missing from the
+    checkpoint are recorded on the module; capture() refuses them if the graph uses them.
+    """
     import transformers
 
     p = Path(path)
@@ -79,19 +92,107 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
     hf_attention.register()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(str(p))
+    config = _load_config(p)
+    _check_safetensors_files(p)
     archs = config.architectures or []
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    from portlayer.flatten.task import TaskInferenceError, infer_task
+
+    try:
+        causal = infer_task(config, where=str(p / "config.json")) == "causal_lm"
+    except TaskInferenceError as e:
+        raise CaptureError(str(e)) from None
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    kwargs: dict[str, Any] = {"attn_implementation": hf_attention.IMPL_NAME}
+    kwargs: dict[str, Any] = {"attn_implementation": hf_attention.IMPL_NAME, "output_loading_info": True,
+                              "ignore_mismatched_sizes": True}  # mismatches are reported below, by name
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:
-        model = cls.from_pretrained(str(p), **kwargs)
-    except (OSError, ValueError) as e:
-        raise CaptureError(f"could not load the model in {p}: {e}") from e
+        model, info = cls.from_pretrained(str(p), config=config, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CaptureError(f"could not load the model in {p}: {type(e).__name__}: {str(e)[:1000]}") from None
+    _check_loading_info(p, model, info, archs)
+    if check_finite if check_finite is not None else os.environ.get(SKIP_FINITE_ENV) != "1":
+        _check_finite(p, model)
     hf_moe.use_portlayer_experts(model)
     return model.eval()
+
+
+def _load_config(p: Path) -> Any:
+    import transformers
+
+    cfg_path = p / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CaptureError(f"{cfg_path}: not valid JSON ({str(e)[:200]}); fix the file or re-save the model") from None
+    if not isinstance(raw, dict):
+        raise CaptureError(f"{cfg_path}: must hold a JSON object (the model config), found {type(raw).__name__}")
+    if not isinstance(raw.get("model_type"), str):
+        raise CaptureError(f"{cfg_path}: has no \"model_type\" string; re-save the model with save_pretrained()")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CaptureError(f"{cfg_path}: model_type {raw['model_type']!r} cannot be loaded by transformers "
+                           f"{transformers.__version__} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+
+
+def _check_safetensors_files(p: Path) -> None:
+    """Open each *.safetensors header (no tensor data read): a corrupt or truncated file is named."""
+    from safetensors import safe_open
+
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors' own error type (SafetensorError) or OSError
+            raise CaptureError(f"{f}: not a readable safetensors file ({str(e)[:200]}); the file is corrupt or "
+                               "truncated, copy or re-save it") from None
+
+
+def _check_loading_info(p: Path, model: torch.nn.Module, info: dict[str, Any], archs: list[str]) -> None:
+    mismatched = list(info.get("mismatched_keys") or [])
+    if mismatched:
+        rows = [f"{k}: checkpoint {list(a)} vs model {list(b)}" for k, a, b in mismatched[:10]]
+        raise CaptureError(f"{p}: {len(mismatched)} tensors do not have the shapes config.json implies:\n  "
+                           + "\n  ".join(rows) + "\nThe weights and config.json do not belong together.")
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if unexpected:
+        head_dropped = bool(archs) and type(model).__name__ not in archs  # base model from a checkpoint with a head
+        msg = (f"{p}: {len(unexpected)} tensors in the checkpoint are not part of {type(model).__name__}: "
+               f"{', '.join(unexpected[:10])}")
+        if not head_dropped:
+            raise CaptureError(msg + "; the checkpoint does not match config.json (wrong architecture or renamed tensors)")
+        import warnings
+
+        warnings.warn(msg + f" (the {archs[0]} head is not captured)", UserWarning, stacklevel=3)
+    state = model.state_dict()
+    missing = [k for k in sorted(info.get("missing_keys") or []) if k in state]
+    model._portlayer_missing_weights = {k: state[k].data_ptr() for k in missing}  # type: ignore[assignment]
+
+
+def _check_finite(p: Path, model: torch.nn.Module) -> None:
+    bad = [n for n, t in model.state_dict().items()
+           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CaptureError(f"{p}: {len(bad)} weight tensors hold NaN or Inf: {', '.join(bad[:10])}; the checkpoint is "
+                           f"damaged (set {SKIP_FINITE_ENV}=1 to skip this check)")
+
+
+def check_missing_weights(module: torch.nn.Module, graph: Graph) -> None:
+    """Refuse a graph whose outputs depend on tensors the checkpoint did not have (they would be
+    random). Missing tensors feeding only dead code (e.g. a BERT pooler under last_hidden_state) pass."""
+    missing: dict[str, int] = getattr(module, "_portlayer_missing_weights", None) or {}
+    if not missing:
+        return
+    live = set(graph.outputs)
+    for node in reversed(graph.nodes):
+        if any(o.name in live for o in node.outputs):
+            live.update(i for i in node.inputs if i is not None)
+    ptrs = {t.data_ptr() for name, t in graph.weights.items() if name in live}
+    used = [k for k, ptr in missing.items() if ptr in ptrs or k.replace(".", "_") in live]
+    if used:
+        raise CaptureError(f"{type(module).__name__}: {len(used)} tensors the model's outputs use are missing from the "
+                           f"checkpoint (they would be random): {', '.join(used[:10])}; the checkpoint is incomplete")
 
 
 def _set_attn_impl(model: torch.nn.Module) -> None:
@@ -284,11 +385,12 @@ def capture(
         )
     say("converting to the Flat IR")
     graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
+    check_missing_weights(module, graph)
     graph.meta.update(facts)
     graph.meta.update(_kv_facts(graph))
-    graph.meta["task"] = "causal_lm" if graph.meta.get("architectures") and any(
-        a.endswith(("ForCausalLM", "LMHeadModel")) for a in graph.meta["architectures"]
-    ) else "encoder"
+    from portlayer.flatten.task import task_of_model
+
+    graph.meta["task"] = task_of_model(module)
     graph.meta["token_symbol"] = TOKEN_SYMBOL
     if source:
         graph.meta["source"] = source

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Dim, Graph, GraphBuilder, TensorType, dtype_name, normalize_dim
 
 aten = torch.ops.aten
 
 
-class UnsupportedOpError(NotImplementedError):
+class UnsupportedOpError(PortlayerError, NotImplementedError):
     """An aten op has no mapping to the portable op registry."""
 
 

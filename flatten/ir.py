@@ -2,19 +2,20 @@
 
 Construction and queries only; printing, serialisation, verification and execution
 live in their own modules. Shapes may hold symbolic dimensions: a dimension is an
-``int`` or a string holding a sympy-parsable expression over symbols such as
-``num_tokens`` (e.g. ``"num_tokens"`` or ``"2*num_tokens"``).
+``int`` or a string holding an expression in the dim grammar of flatten/dims.py over
+symbols such as ``num_tokens`` (e.g. ``"num_tokens"`` or ``"2*num_tokens"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from portlayer.flatten import dims
 
 Dim = int | str
 
@@ -101,13 +102,17 @@ class TensorType:
 
 
 def to_sympy(d: Any):  # -> sympy.Expr
-    """A dim as a sympy expression whose symbols are positive integers (sizes are)."""
+    """A dim as a sympy expression whose symbols are positive integers (sizes are).
+
+    Strings are read by the strict dim grammar (flatten/dims.py), never by sympify.
+    """
     import sympy
 
+    if isinstance(d, bool):
+        raise TypeError(f"a dimension cannot be a bool: {d!r}")
     if isinstance(d, int):
         return sympy.Integer(d)
-    expr = sympy.sympify(str(d))
-    return expr.subs({s: sympy.Symbol(s.name, integer=True, positive=True) for s in expr.free_symbols})
+    return dims.parse_dim(str(d))
 
 
 def normalize_dim(d: Any) -> Dim:
@@ -118,47 +123,30 @@ def normalize_dim(d: Any) -> Dim:
         return d
     if isinstance(d, torch.SymInt):
         d = str(d.node.expr)
-    import sympy
-
-    expr = sympy.simplify(to_sympy(d)) if not isinstance(d, sympy.Basic) else sympy.simplify(to_sympy(str(d)))
-    if expr.is_Integer:
-        return int(expr)
-    return str(expr)
-
-
-@functools.lru_cache(maxsize=4096)
-def _dim_function(d: str) -> tuple[tuple[str, ...], Any]:
-    """Parse a symbolic dim once into (symbol names, a plain Python function of them)."""
-    import sympy
-
-    expr = sympy.sympify(d)
-    names = tuple(sorted(str(s) for s in expr.free_symbols))
-    return names, sympy.lambdify([sympy.Symbol(n) for n in names], expr, modules="math")
+    elif not isinstance(d, str):
+        if type(d).__module__.split(".")[0] != "sympy":
+            raise dims.DimError(f"dimension {d!r} is a {type(d).__name__}, not an int or a string")
+        d = str(d)
+    return dims.canonical_dim(d)
 
 
 def eval_dim(d: Dim, bindings: Mapping[str, int]) -> int:
     """Evaluate a dimension under symbol bindings; raises naming the unbound symbols.
 
     Hot in the reference executable (every reshape), so a bare symbol is a dict lookup and
-    expressions are parsed once and evaluated as compiled Python.
+    expressions are parsed once (strict grammar) and evaluated exactly from their tree.
     """
     if isinstance(d, int):
         return d
     if d in bindings:
         return int(bindings[d])
-    names, fn = _dim_function(d)
-    missing = [n for n in names if n not in bindings]
-    if missing:
-        raise KeyError(f"dimension {d!r} needs values for symbols {missing}; bound: {dict(bindings)}")
-    return int(round(fn(*(bindings[n] for n in names))))
+    return dims.evaluate_dim(d, bindings)
 
 
 def dim_symbols(d: Dim) -> set[str]:
     if isinstance(d, int):
         return set()
-    import sympy
-
-    return {str(s) for s in sympy.sympify(d).free_symbols}
+    return set(dims.dim_names(d))
 
 
 @dataclass(frozen=True)

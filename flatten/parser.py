@@ -14,10 +14,11 @@ import re
 import tokenize
 from typing import Any
 
+from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Dim, Graph, Node, TensorType, Value, normalize_dim
 
 
-class ParseError(ValueError):
+class ParseError(PortlayerError, ValueError):
     """The IR text is malformed or disagrees with the op registry (the message names the line)."""
 
 

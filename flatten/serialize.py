@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from portlayer.errors import PortlayerError
+from portlayer.flatten.dims import DimError, parse_tree
 from portlayer.flatten.ir import Graph, Node, TensorType, Value, dtype_name
 
 FORMAT = "portlayer.flat_ir"
@@ -24,7 +27,7 @@ GRAPH_FILE = "graph.json"
 WEIGHTS_FILE = "weights.safetensors"
 
 
-class GraphFileError(ValueError):
+class GraphFileError(PortlayerError, ValueError):
     """A saved graph directory is missing a file, or a file is not what save_graph writes."""
 
 
@@ -52,18 +55,95 @@ def graph_from_json(d: dict[str, Any], *, source: str = "graph JSON") -> Graph:
             f"{source}: format_version {version!r} is not supported (this portlayer reads {FORMAT_VERSION}); "
             "re-save the graph with this version of portlayer"
         )
+    problem = structure_problem(d)
+    if problem:
+        raise GraphFileError(f"{source}: {problem}; the file is damaged or not a saved graph")
     try:
-        return Graph(
+        graph = Graph(
             inputs=[Value.from_json(v) for v in d["inputs"]],
             params={p["name"]: TensorType(p["dtype"], tuple(p["shape"])) for p in d["params"]},
             nodes=[Node.from_json(n) for n in d["nodes"]],
             outputs=list(d["outputs"]),
             meta=dict(d.get("meta", {})),
         )
+        _check_plan_dims(graph.meta.get("memory_plan"))
+        return graph
     except KeyError as e:
         raise GraphFileError(f"{source}: missing key {e.args[0]!r}; the file is incomplete or not a saved graph") from None
-    except (TypeError, ValueError) as e:
-        raise GraphFileError(f"{source}: malformed entry ({e})") from None
+    except (TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise GraphFileError(f"{source}: malformed entry ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+#: the largest static dimension a saved graph may declare (no real tensor comes near it)
+MAX_STATIC_DIM = 1 << 48
+
+
+def structure_problem(d: dict[str, Any]) -> str | None:
+    """The first way ``d`` departs from the JSON layout graph_to_json writes, or None.
+
+    Checked before anything is built, so a damaged file gives one clear message instead of
+    whatever a constructor trips over (symbolic dims are parsed later, by flatten.ir)."""
+
+    def value_problem(v: Any, where: str) -> str | None:
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not isinstance(v.get("dtype"), str):
+            return f"{where} must be an object with string 'name' and 'dtype'"
+        shape = v.get("shape")
+        if not isinstance(shape, list):
+            return f"{where} ({v['name']}): 'shape' must be a list"
+        for dim in shape:
+            if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+                return f"{where} ({v['name']}): dimension {dim!r} is neither an integer nor a symbolic expression"
+            if isinstance(dim, int) and not 0 <= dim <= MAX_STATIC_DIM:
+                return f"{where} ({v['name']}): dimension {dim} is out of range [0, 2**48]"
+        return None
+
+    for key in ("inputs", "params", "nodes", "outputs"):
+        if not isinstance(d.get(key), list):
+            return f"'{key}' must be a list"
+    if not isinstance(d.get("meta", {}), dict):
+        return "'meta' must be an object"
+    for key in ("inputs", "params"):
+        for i, v in enumerate(d[key]):
+            if p := value_problem(v, f"{key}[{i}]"):
+                return p
+    for i, n in enumerate(d["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(n, dict) or not isinstance(n.get("name"), str) or not isinstance(n.get("op"), str):
+            return f"{where} must be an object with string 'name' and 'op'"
+        where = f"node {n['name']}"
+        ins, outs = n.get("inputs"), n.get("outputs")
+        if not isinstance(ins, list) or not all(x is None or isinstance(x, str) for x in ins):
+            return f"{where}: 'inputs' must be a list of value names (or null for an absent optional input)"
+        if not isinstance(outs, list):
+            return f"{where}: 'outputs' must be a list of values"
+        for j, v in enumerate(outs):
+            if p := value_problem(v, f"{where}: outputs[{j}]"):
+                return p
+        for key in ("attrs", "meta"):
+            if not isinstance(n.get(key, {}), dict):
+                return f"{where}: '{key}' must be an object"
+    if not all(isinstance(o, str) for o in d["outputs"]):
+        return "'outputs' must be a list of value names"
+    return None
+
+
+def _check_plan_dims(plan: Any) -> None:
+    """The memory plan's sizes and offsets are dims too: read them by the strict grammar now."""
+    if plan is None:
+        return
+    bufs = plan.get("buffers") if isinstance(plan, dict) else None
+    if not isinstance(bufs, dict):
+        raise ValueError("meta.memory_plan has no 'buffers' object")
+    for name, buf in bufs.items():
+        for key in ("size", "offset"):
+            v = buf.get(key) if isinstance(buf, dict) else None
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ValueError(f"meta.memory_plan buffer {name!r}: {key} {v!r} is not an int or a dim string")
+            if isinstance(v, str):
+                try:
+                    parse_tree(v)
+                except DimError as e:
+                    raise ValueError(f"meta.memory_plan buffer {name!r} {key}: {e}") from None
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -134,30 +214,44 @@ def save_graph(graph: Graph, directory: str | os.PathLike) -> Path:
     return out
 
 
-def load_graph(directory: str | os.PathLike) -> Graph:
-    """Read a directory written by save_graph; errors name the file and what was expected."""
-    from safetensors.torch import load_file
+def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | None = None) -> Graph:
+    """Read a directory written by save_graph; errors name the file and what was expected.
+
+    ``read(file_name) -> bytes`` supplies the files instead of the disk (a loaded artifact
+    passes the bytes it verified, so a file changed after verification is never used)."""
+    from safetensors.torch import load, load_file
 
     root = Path(directory)
     gpath = root / GRAPH_FILE
-    if not gpath.is_file():
+    if read is None and not gpath.is_file():
         raise GraphFileError(f"{gpath}: not found; expected a {GRAPH_FILE} written by portlayer's save_graph")
     try:
-        doc = json.loads(gpath.read_text())
+        doc = json.loads(read(GRAPH_FILE) if read is not None else gpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GraphFileError(f"{gpath}: not valid JSON ({e}); the file is corrupt, re-save the graph") from None
+    except RecursionError:
+        raise GraphFileError(f"{gpath}: JSON nested too deeply to be a saved graph; the file is corrupt") from None
     graph = graph_from_json(doc, source=str(gpath))
     winfo = doc.get("weights", {})
-    names = list(winfo.get("names", []))
-    aliases: dict[str, str] = dict(winfo.get("aliases", {}))
-    wpath = root / winfo.get("file", WEIGHTS_FILE)
-    if not wpath.is_file():
+    if not isinstance(winfo, dict):
+        raise GraphFileError(f"{gpath}: 'weights' must be an object {{file, names, aliases}}, found {type(winfo).__name__}")
+    names, aliases = winfo.get("names", []), winfo.get("aliases", {})
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(aliases, dict) \
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise GraphFileError(f"{gpath}: 'weights' must list 'names' (strings) and 'aliases' (name -> stored name)")
+    wfile = winfo.get("file", WEIGHTS_FILE)
+    if not isinstance(wfile, str) or Path(wfile).name != wfile:
+        raise GraphFileError(f"{gpath}: weights file {wfile!r} must be a plain file name beside {GRAPH_FILE}")
+    wpath = root / wfile
+    if read is None and not wpath.is_file():
         if names:
             raise GraphFileError(f"{wpath}: not found; {gpath.name} lists {len(names)} weights stored there")
         return graph
     try:
-        tensors = load_file(str(wpath))
+        tensors = load(read(wfile)) if read is not None else load_file(str(wpath))
     except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        if isinstance(e, PortlayerError):  # e.g. the artifact's reader refusing a changed file
+            raise
         raise GraphFileError(f"{wpath}: not a readable safetensors file ({e}); the file is corrupt, re-save the graph") from None
     for name in names:
         src = aliases.get(name, name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import keyword
 from typing import Any
 
-from portlayer.flatten.ir import Graph, TensorType, dtype_name
+from portlayer.flatten.ir import Graph, TensorType, dtype_name, torch_dtype
 
 
 class VerificationError(ValueError):
@@ -87,6 +87,10 @@ def _check_nodes(graph: Graph, problems: list[str]) -> None:
     types.update(graph.params)
     for n in graph.nodes:
         where = f"node {n.name} ({n.op})"
+        if not isinstance(n.op, str) or not isinstance(n.inputs, list) or not all(
+                i is None or isinstance(i, str) for i in n.inputs) or not isinstance(n.attrs, dict):
+            problems.append(f"{where}: op must be a string, inputs a list of value names (or null), attrs an object")
+            continue
         for i, name in enumerate(n.inputs):
             if name is None or name in types:
                 continue
@@ -106,11 +110,48 @@ def _check_nodes(graph: Graph, problems: list[str]) -> None:
             types[v.name] = v.type
 
 
+#: what an attribute whose default is None may hold besides None, by attribute name
+NULLABLE_ATTRS = {"scalar": "number", "x_scalar": "number", "y_scalar": "number", "min": "number", "max": "number",
+                  "scale": "number", "softcap": "number", "sliding_window": "int", "end": "int", "dtype": "dtype"}
+
+
+def _attr_type_ok(default: Any, v: Any, name: str = "") -> bool:
+    """An attribute value has its default's type (ints pass for floats); None defaults per NULLABLE_ATTRS."""
+    if default is None:
+        kind = NULLABLE_ATTRS.get(name)
+        if v is None or kind is None:
+            return v is None or isinstance(v, (bool, int, float, str))
+        if kind == "dtype":
+            try:
+                return isinstance(v, str) and bool(torch_dtype(v))
+            except (KeyError, ValueError, TypeError):
+                return False
+        if kind == "int":
+            return isinstance(v, int) and not isinstance(v, bool)
+        return isinstance(v, (int, float))
+    if isinstance(default, bool):
+        return isinstance(v, bool)
+    if isinstance(default, int):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if isinstance(default, float):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if isinstance(default, str):
+        return isinstance(v, str)
+    if isinstance(default, (list, tuple)):
+        return isinstance(v, (list, tuple))
+    return True
+
+
 def _check_types(n, opdef, types: dict[str, TensorType], where: str, problems: list[str]) -> None:
     unknown = sorted(set(n.attrs) - set(opdef.attrs))
     if unknown:
         problems.append(f"{where}: unknown attributes {unknown}; {n.op} accepts {sorted(opdef.attrs)}")
         return
+    for k, v in n.attrs.items():
+        if not _attr_type_ok(opdef.attrs[k], v, k):
+            problems.append(f"{where}: attribute {k}={v!r} is a {type(v).__name__}; {n.op} takes a "
+                            f"{type(opdef.attrs[k]).__name__} there (default {opdef.attrs[k]!r})")
+            return
     if any(i is not None and i not in types for i in n.inputs):
         return  # already reported; inference would only repeat it
     try:
@@ -160,5 +201,13 @@ def verify_graph(graph: Graph) -> None:
     _check_names(graph, problems)
     _check_nodes(graph, problems)
     _check_outputs_and_weights(graph, problems)
+    if isinstance(graph.meta, dict) and "kernels" in graph.meta:
+        from portlayer.flatten.verify_plan import check_kernel_groups
+
+        check_kernel_groups(graph, problems)
+    if isinstance(graph.meta, dict) and "memory_plan" in graph.meta:
+        from portlayer.flatten.verify_plan import check_memory_plan_shape
+
+        check_memory_plan_shape(graph, problems)
     if problems:
         raise VerificationError(problems)

@@ -104,6 +104,19 @@ def place(bufs: dict[str, dict[str, Any]], sizes: dict[str, int], align: int) ->
     return off
 
 
+def _most_live(bufs: dict[str, dict[str, Any]], sizes: dict[str, int], n_kernels: int) -> int:
+    """The most bytes live at one kernel index (a sweep over [start, end] intervals, not kernels x buffers)."""
+    delta = [0] * (n_kernels + 2)
+    for b, info in bufs.items():
+        delta[info["start"]] += sizes[b]
+        delta[info["end"] + 1] -= sizes[b]
+    most = cur = 0
+    for d in delta[: n_kernels + 1]:
+        cur += d
+        most = max(most, cur)
+    return most
+
+
 def memory_plan(graph: Graph, ctx: PassContext) -> Graph:
     g = graph.copy()
     align = int(ctx.plan.buffer_alignment)
@@ -158,12 +171,12 @@ def memory_plan(graph: Graph, ctx: PassContext) -> Graph:
     peak, no_reuse, live = {}, {}, {}
     for n in buckets:
         bind = {"num_tokens": n, "num_seqs": n}
-        sizes = {b: eval_dim(info["size"], bind) for b, info in bufs.items()}
+        value = {d: eval_dim(d, bind) for d in {info["size"] for info in bufs.values()}}  # layers repeat sizes
+        sizes = {b: value[info["size"]] for b, info in bufs.items()}
         off = place(bufs, sizes, align)
         peak[str(n)] = max((off[b] + sizes[b] for b in bufs), default=0)
         no_reuse[str(n)] = sum(sizes.values())
-        live[str(n)] = max((sum(s for b, s in sizes.items() if bufs[b]["start"] <= t <= bufs[b]["end"])
-                            for t in range(len(kernels) + 1)), default=0)
+        live[str(n)] = _most_live(bufs, sizes, len(kernels))
         if n == top:
             for b in bufs:
                 bufs[b]["offset"] = off[b]

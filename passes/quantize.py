@@ -1,90 +1,195 @@
-"""Weight-only quantization (int8, or int4 with group-wise scales) when the Plan asks for it.
+"""Weight-only quantization when the Plan asks for it: ``linear(x, W, b)`` -> ``linear_wq``.
 
-``linear(x, W, b)`` with a parameter ``W`` [N, K] becomes ``linear_wq(x, q, s, b)``:
-symmetric round-to-nearest, scale = max|w| / qmax per group of ``group_size`` input
-columns (int8: per output channel, group = K; int4: groups of ``options['group_size']``,
-default 128, clipped to K). Scales stay float32. The LM head stays in float by default
-(``options['quantize_lm_head']``), as vLLM's GPTQ/AWQ loaders do: logits are the most
-sensitive output and one GEMM of a large model.
+Modes (``plan.weight_quantization``, or ``options['weight_quantization']``):
+
+- ``int8``: per output channel (group = K) by default, ``options['group_size']`` when given;
+  symmetric, GPTQ-calibrated, so a channel's few outlier columns are absorbed by error
+  feedback into the others instead of costing every other weight its resolution; the clip
+  search (passes/gptq.py) trims an extreme only when that lowers the channel's error.
+- ``int4``: groups of ``options['group_size']`` (default: the plan's ``quant_group_size``,
+  else 128), asymmetric (scale + offset per group), GPTQ-calibrated on the built-in text
+  passes/calib_text.txt through the model's own tokenizer.
+- ``native``: the linear weights a GGUF source shipped in block form (Q8_0/Q4_0/Q4_1 at group
+  32, flatten/gguf_blocks.py) are used as they are; every other weight stays float.
+
+``options['quant_method'] = 'rtn'`` selects plain round-to-nearest (with the clip search).
+The LM head stays in float unless ``options['quantize_lm_head']``, as vLLM's GPTQ/AWQ loaders
+do: logits are the most sensitive output.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
-from portlayer.flatten.ir import Graph, Node, TensorType
+from portlayer.flatten.ir import Graph, Node, TensorType, torch_dtype
 from portlayer.flatten.op_defs.quant import pack_int4
 from portlayer.passes.context import PassContext
 from portlayer.passes.util import all_names, fresh_name
 
-QMAX = {8: 127, 4: 7}
+MODES = ("int8", "int4", "native")
 
 
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
-
-
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight, scales) of a [N, K] weight; int4 comes packed two per byte.
-
-    int4 picks, per group, the clipping ratio of max|w| with the least squared error (AWQ's
-    and llama.cpp's data-free clip search): 16 levels are too few to spend on rare extremes.
-    """
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group_size, group_size)
-    amax = wg.abs().amax(-1, keepdim=True)
-    best_q, best_s, best_err = None, None, None
-    for r in CLIP_RATIOS if bits == 4 else (1.0,):
-        s = (amax * r / QMAX[bits]).clamp_min(1e-12)
-        q = torch.round(wg / s).clamp(-QMAX[bits] - 1, QMAX[bits])
-        err = ((q * s - wg) ** 2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_q, best_s, best_err = q, s, err
-        else:
-            better = err < best_err
-            best_q, best_s = torch.where(better, q, best_q), torch.where(better, s, best_s)
-            best_err = torch.minimum(err, best_err)
-    q = best_q.to(torch.int8).reshape(n, k)
-    return (pack_int4(q) if bits == 4 else q), best_s[..., 0]
-
-
-def pick_group(k: int, bits: int, requested: int) -> int:
-    """int8 is per channel; int4 uses ``requested`` columns per group, min(requested, K),
-    falling back to per channel when K is not a multiple of it."""
-    if bits == 8:
-        return k
-    g = min(requested, k)
+def pick_group(k: int, bits: int, requested: int | None) -> int:
+    """Columns per group: int8 per channel unless asked; int4 ``requested`` (default 128), clipped
+    to K. linear_wq needs K % group == 0, so when K is not a multiple (SmolLM2's K = 576 at 128)
+    the group halves down to 32 (576 -> 64); per channel only when no such group divides K."""
+    if requested is None:
+        requested = k if bits == 8 else 128
+    g = min(int(requested), k)
+    while k % g and g > 32 and g % 2 == 0:
+        g //= 2
     return g if k % g == 0 else k
+
+
+def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[torch.Tensor, int] | None = None,
+                    symmetric: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qweight, scales, offsets or None) of a [N, K] weight; int4 comes packed two per byte.
+
+    With ``gram`` (X^T X of the layer's inputs, rows) the codes come from GPTQ, else from
+    round-to-nearest (GPTQ with an identity Hessian is exactly that).
+    """
+    from portlayer.passes.gptq import gptq, rtn
+
+    sym = (bits == 8) if symmetric is None else symmetric
+    q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym) if gram is not None else rtn(w, bits, group_size, sym)
+    return (pack_int4(q) if bits == 4 else q), s, off
+
+
+def _targets(g: Graph, ctx: PassContext) -> list[int]:
+    skip_head = not ctx.options.get("quantize_lm_head", False)
+    outs = set(g.outputs)
+    return [i for i, n in enumerate(g.nodes)
+            if n.op == "linear" and n.inputs[1] in g.weights and not (skip_head and n.outputs[0].name in outs)]
+
+
+def _replace(g: Graph, names: set[str], i: int, q: torch.Tensor, s: torch.Tensor, off: torch.Tensor | None,
+             bits: int, gs: int, note: str) -> None:
+    n = g.nodes[i]
+    base = n.inputs[1]
+    fdt = g.params[base].dtype if g.params[base].dtype in ("float32", "float16", "bfloat16") else "float32"
+    made = {}
+    for suffix, t in ((f"_q{bits}", q), ("_scales", s), ("_offsets", off)):
+        if t is None:
+            continue
+        if t.is_floating_point():
+            t = t.to(torch_dtype("float32"))
+        name = fresh_name(names, base + suffix)
+        g.params[name] = TensorType(str(t.dtype).replace("torch.", ""), tuple(t.shape))
+        g.weights[name] = t.contiguous()
+        made[suffix] = name
+    bias = n.inputs[2] if len(n.inputs) > 2 else None
+    ins = [n.inputs[0], made[f"_q{bits}"], made["_scales"], bias] + ([made["_offsets"]] if "_offsets" in made else [])
+    g.nodes[i] = Node(n.name, "linear_wq", ins, n.outputs, {"bits": bits, "group_size": gs},
+                      dict(n.meta, quantized=note, weight_dtype=fdt))
+
+
+def _native(g: Graph, names: set[str], targets: list[int]) -> int:
+    from portlayer.flatten.gguf_source import load_native
+
+    blocks = load_native(g.meta.get("source"))
+    if not blocks:
+        raise ValueError(
+            f"quantize: the plan asks for 'native' but the model source {g.meta.get('source')!r} carries no "
+            "GGUF block weights; compile the .gguf file itself, or use --quantize int8/int4"
+        )
+    done = 0
+    for i in targets:
+        n = g.nodes[i]
+        key = f"{n.meta.get('source', '')}.weight"
+        nw = blocks.get(key)
+        if nw is None:
+            continue
+        w = g.weights[n.inputs[1]].float()
+        dq = nw.dequantized()
+        tol = 1e-5 if g.weights[n.inputs[1]].dtype == torch.float32 else 1e-2
+        if tuple(dq.shape) != tuple(w.shape) or float((dq - w).abs().max()) > tol * max(1.0, float(w.abs().max())):
+            raise ValueError(f"quantize: the GGUF block weight for {key} does not match the captured weight "
+                             f"{n.inputs[1]} (shape {tuple(dq.shape)} vs {tuple(w.shape)}); refusing to run other numbers")
+        _replace(g, names, i, nw.qweight, nw.scales, nw.offsets, nw.bits, nw.group_size,
+                 f"native GGUF {nw.fmt}, group {nw.group_size}")
+        done += 1
+    return done
 
 
 def quantize(graph: Graph, ctx: PassContext) -> Graph:
     mode = ctx.options.get("weight_quantization") or ctx.plan.weight_quantization
     if mode in (None, "none"):
         return graph.copy()
-    if mode not in ("int8", "int4"):
-        raise ValueError(f"quantize: the plan asks for {mode!r}; this pass knows int8 and int4")
-    bits = 8 if mode == "int8" else 4
+    if mode not in MODES:
+        raise ValueError(f"quantize: the plan asks for {mode!r}; this pass knows {', '.join(MODES)}")
     g = graph.copy()
     names = all_names(g)
-    skip_head = not ctx.options.get("quantize_lm_head", False)
-    out_producers = set(g.outputs)
-    for i, n in enumerate(g.nodes):
-        if n.op != "linear" or n.inputs[1] not in g.weights:
-            continue
-        if skip_head and n.outputs[0].name in out_producers:
-            continue
-        w = g.weights[n.inputs[1]]
-        k = int(w.shape[1])
-        if bits == 4 and k % 2:
-            continue
-        gs = pick_group(k, bits, int(ctx.options.get("group_size", 128)))
-        q, s = quantize_weight(w, bits, gs)
-        qn, sn = fresh_name(names, f"{n.inputs[1]}_q{bits}"), fresh_name(names, f"{n.inputs[1]}_scales")
-        for name, t in ((qn, q), (sn, s)):
-            g.params[name] = TensorType(str(t.dtype).replace("torch.", ""), tuple(t.shape))
-            g.weights[name] = t
-        bias = n.inputs[2] if len(n.inputs) > 2 else None
-        g.nodes[i] = Node(n.name, "linear_wq", [n.inputs[0], qn, sn, bias], n.outputs, {"bits": bits, "group_size": gs},
-                          dict(n.meta, quantized=f"{mode} weight-only, group {gs}"))
+    targets = _targets(g, ctx)
+    if mode == "native":
+        g.meta["quantization"] = {"mode": "native", "layers": _native(g, names, targets)}
+    else:
+        _calibrated(g, ctx, names, targets, 8 if mode == "int8" else 4)
     from portlayer.passes.dce import dce
 
     return dce(g)
+
+
+def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int], bits: int) -> None:
+    method = ctx.options.get("quant_method", "gptq")
+    requested = ctx.options.get("group_size") or _plan_group(ctx, bits)
+    grams: dict[str, Any] = {}
+    how = "round-to-nearest"
+    stream = {"input_ids", "positions"} <= {v.name for v in g.inputs}
+    if method == "gptq" and stream:
+        from portlayer.passes.calibration import CALIBRATION_TEXT, linear_inputs_gram, token_ids
+
+        ids, how = token_ids(g, CALIBRATION_TEXT)
+        grams = linear_inputs_gram(g, ids, {g.nodes[i].name for i in targets})
+        how = f"GPTQ on {how}"
+    elif method == "gptq":
+        how = "round-to-nearest (GPTQ needs a token-stream graph to calibrate on)"
+    elif method != "rtn":
+        raise ValueError(f"quantize: quant_method {method!r} unknown; use gptq or rtn")
+    mode = f"int{bits}"
+    # linears reading the same activation (q/k/v, gate/up) share one Hessian: quantize them as one
+    # stacked matrix (scales are per row, so splitting the result back is exact)
+    shared: dict[tuple[str, int], list[int]] = {}
+    for i in targets:
+        k = int(g.weights[g.nodes[i].inputs[1]].shape[1])
+        if bits == 4 and k % 2:
+            continue
+        shared.setdefault((g.nodes[i].inputs[0], pick_group(k, bits, requested)), []).append(i)
+    with _single_thread():
+        for (_, gs), idx in shared.items():
+            ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
+            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, grams.get(g.nodes[idx[0]].name))
+            row = 0
+            for i, w in zip(idx, ws):
+                r = slice(row, row + int(w.shape[0]))
+                row += int(w.shape[0])
+                kind = "symmetric" if off is None else "asymmetric"
+                _replace(g, names, i, q[r], s[r], off[r] if off is not None else None, bits, gs,
+                         f"{mode} weight-only, group {gs}, {kind}, {how.split(' (')[0]}")
+    g.meta["quantization"] = {"mode": mode, "method": how, "group_size": requested, "layers": len(targets)}
+
+
+@contextlib.contextmanager
+def _single_thread() -> Iterator[None]:
+    """GPTQ's column sweep is many small ops: one intra-op thread avoids oversubscription, which
+    on a busy 2-core host made it 15x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _plan_group(ctx: PassContext, bits: int) -> int | None:
+    """The plan's group size (a policy decision when the descriptor's kernels constrain it)."""
+    if bits == 8:
+        return None
+    try:
+        v = ctx.plan.value("quant_group_size")
+    except KeyError:
+        v = None
+    return int(v) if v else None

@@ -36,6 +36,10 @@ def _try(impl: Impl, node: Node, ctx: PassContext, view: GraphView) -> tuple[boo
         if absorbed is None:
             return False, why, []
         return True, why, absorbed
+    if impl.accepts is not None:  # the lowering must take the node alone (the smallest group fuse can form)
+        ok, why2 = impl.accepts(view, [node])
+        if not ok:
+            return False, why2, []
     return True, why, []
 
 

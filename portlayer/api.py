@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZE = ("none", "int8", "int4")
+QUANTIZE = ("none", "int8", "int4", "native")
 
 
 class CompileError(PortlayerError):
@@ -85,11 +85,15 @@ def _model_source(model: Any) -> ModelSource:
         path = resolve_model(str(model))
         if (path / "graph.json").is_file() and not (path / "config.json").is_file():
             from portlayer.flatten.serialize import GraphFileError, load_graph
+            from portlayer.flatten.verify import VerificationError, verify_graph
 
             try:  # a Flat IR graph saved with save_graph (e.g. by `portlayer inspect` or an ONNX import)
                 graph = load_graph(path)
+                verify_graph(graph)
             except GraphFileError as e:
                 raise CompileError(f"{e}") from None
+            except VerificationError as e:
+                raise CompileError(f"{path / 'graph.json'}: {e}") from None
             return ModelSource(str(model), path, model_dir_hash(path), graph)
         if not path.is_dir():
             raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
@@ -97,7 +101,7 @@ def _model_source(model: Any) -> ModelSource:
     raise CompileError(f"compile() takes a model name, an HF directory, an nn.Module or a Graph, not {type(model).__name__}")
 
 
-def _options(dtype: str | torch.dtype | None, quantize: str | None) -> dict[str, Any]:
+def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool = False) -> dict[str, Any]:
     d = None
     if dtype is not None:
         key = str(dtype).removeprefix("torch.")
@@ -106,7 +110,7 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None) -> dict[str,
         d = DTYPES[key]
     if quantize is not None and quantize not in QUANTIZE:
         raise CompileError(f"--quantize {quantize!r} is not supported; use one of {', '.join(QUANTIZE)}")
-    return {"dtype": d, "quantize": quantize}
+    return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
 def compile(  # noqa: A001 - the public name users expect
@@ -116,6 +120,7 @@ def compile(  # noqa: A001 - the public name users expect
     dtype: str | torch.dtype | None = None,
     quantize: str | None = None,
     progress: bool = True,
+    strict: bool = False,
     verify: bool = True,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
@@ -128,8 +133,12 @@ def compile(  # noqa: A001 - the public name users expect
     from portlayer.runtime import cache
 
     t0 = time.perf_counter()
+    if output is not None:  # refuse a path we may not replace before any work (and before anything is written)
+        from portlayer.runtime.artifact import check_output_dir
+
+        check_output_dir(Path(output).absolute())
     stages = Stages(progress)
-    options = _options(dtype, quantize)
+    options = _options(dtype, quantize, strict)  # strict: refuse a lossy format below the quality gate
     if not verify:  # skip the capture self-check (flatten/selfcheck.py); keyed apart in the cache
         options["verify"] = False
     desc = resolve_target(target)
@@ -157,7 +166,7 @@ def _copy_artifact(src: Path, dest: Path) -> Path:
 
     staged = dest.parent / f".{dest.name}.copy-{os.getpid()}"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, staged, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, staged, symlinks=True)
     _replace_dir(staged, dest)
     return dest
 

@@ -85,27 +85,93 @@ def target_label(desc: Descriptor) -> str:
 
 
 # ---- stages ---------------------------------------------------------------------------------
+CAPTURE_FORMAT = "portlayer.captured"
+CAPTURE_MANIFEST = "captured.json"
+
+
 def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
-    """Capture an HF directory, reusing an earlier capture of identical files and toolkit."""
+    """Capture an HF directory, reusing an earlier capture of identical files and toolkit.
+
+    The entry is content-addressed (its name is a hash of the model files' hashes and the
+    toolkit) and verified like an artifact: captured.json records the sha256 of each file,
+    the graph is parsed from the bytes that were checked, and a mismatch (or any unlisted
+    file) is reported as a warning and the model is captured again.
+    """
     from portlayer.flatten import capture
-    from portlayer.flatten.serialize import load_graph, save_graph
     from portlayer.runtime.cache import _sha, cache_root, toolkit_fingerprint
 
-    entry = cache_root() / "captured" / _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))[:24]
-    if (entry / "graph.json").is_file():
+    key = _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))
+    entry = cache_root() / "captured" / key[:24]
+    if entry.exists():
         try:
+            graph = _load_capture(entry, key)
             say("reusing an earlier capture")
-            return load_graph(entry)
-        except Exception:  # damaged entry: capture again
-            shutil.rmtree(entry, ignore_errors=True)
+            return graph
+        except Exception as e:  # any damage, whatever it trips over: warn and capture again
+            import warnings
+
+            warnings.warn(f"capture cache entry {entry} is damaged or was modified ({e}); capturing again",
+                          UserWarning, stacklevel=2)
+            _discard(entry)
     graph = capture(path, progress=say, verify=verify)
+    _store_capture(graph, entry, key)
+    return graph
+
+
+def _load_capture(entry: Path, key: str) -> Graph:
+    import hashlib
+    import json
+
+    from portlayer.flatten.serialize import load_graph
+
+    doc = json.loads((entry / CAPTURE_MANIFEST).read_bytes())
+    if not isinstance(doc, dict) or doc.get("format") != CAPTURE_FORMAT or doc.get("key") != key:
+        raise ValueError(f"{CAPTURE_MANIFEST} is not a capture manifest for this key")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError(f"{CAPTURE_MANIFEST}: 'files' must map names to sha256")
+    present = {p.name for p in entry.iterdir()} - {CAPTURE_MANIFEST}
+    if present != set(files):
+        raise ValueError(f"files {sorted(present ^ set(files))} are not what {CAPTURE_MANIFEST} lists")
+    held: dict[str, bytes] = {}
+
+    def read(name: str) -> bytes:
+        if name not in files:
+            raise ValueError(f"{name} is not listed in {CAPTURE_MANIFEST}")
+        if name not in held:
+            data = (entry / name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != files[name]:
+                raise ValueError(f"{name}: sha256 differs from {CAPTURE_MANIFEST}")
+            held[name] = data
+        return held[name]
+
+    return load_graph(entry, read=read)
+
+
+def _store_capture(graph: Graph, entry: Path, key: str) -> None:
+    """Write the entry atomically (staging dir, hashes, rename); a failure leaves no entry."""
+    import hashlib
+    import json
+
+    from portlayer.flatten.serialize import save_graph
+
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
         save_graph(graph, tmp)
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir())}
+        (tmp / CAPTURE_MANIFEST).write_text(json.dumps({"format": CAPTURE_FORMAT, "key": key, "files": files}))
         os.replace(tmp, entry)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return graph
+
+
+def _discard(entry: Path) -> None:
+    trash = entry.with_name(f".{entry.name}.bad-{os.getpid()}")
+    try:
+        os.rename(entry, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def optimize(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -123,6 +189,29 @@ def optimize(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any] | N
 
     plan = plan_for_graph(graph, descriptor, overrides or None)
     return OptimizeResult(graph, plan, descriptor), "capabilities.policy.plan_for_graph (passes/pipeline.py absent: graph not optimised)"
+
+
+def optimize_with_gate(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any], strict: bool,
+                       say: Callable[[str], None]) -> tuple[Any, str, dict[str, Any] | None]:
+    """optimize() behind the quality gate (passes/gated.py): a lossy format the policy picked by default
+    is kept only if it passes; an explicit one below threshold warns loudly, or is refused with strict."""
+    import sys
+
+    from portlayer.passes.gated import run_gated
+    from portlayer.runtime.validation import build_cases
+
+    prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
+    outcome = run_gated(graph, descriptor, overrides, prompts=prompts, say=say)
+    for line in outcome.lines():
+        print(f"[portlayer] {line}", file=sys.stderr)
+    if outcome.warning:
+        if strict:
+            from portlayer.api import CompileError
+
+            raise CompileError(f"refused (--strict): {outcome.warning.split('; pass --strict')[0]}")
+        print(f"[portlayer] WARNING: {outcome.warning}", file=sys.stderr)
+    doc = outcome.to_json() if (outcome.gate is not None or outcome.rejected) else None
+    return outcome.result, "passes.gated.run_gated (passes.pipeline.run_pipeline + quality gate)", doc
 
 
 def codegen(result: Any, out_dir: Path) -> tuple[list[Path], str, str]:
@@ -178,7 +267,7 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
     overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"])) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")
-        result, passes_how = optimize(graph, desc, overrides)
+        result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say)
     block_size = int(getattr(result.plan, "kv_block_size", None) or 16)
     with stages.stage("reference") as say:
         say("validation set on the reference interpreter")
@@ -211,6 +300,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                 "codegen": {"generated": bool(files), "files": rel_files},
                 "timings_s": dict(stages.timings),
             }
+            if gate_doc is not None:
+                manifest["quality_gate"] = gate_doc
             return w.commit(manifest)
 
 

@@ -31,6 +31,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--quantization", default=None, help="force weight quantization (none, int8, int4)")
     p.add_argument("--capture", action="store_true", help="capture the model graph instead of reading config.json")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    p.add_argument("--gate", action="store_true",
+                   help="capture, quantize and run the quality gate on a lossy pick, as compile does (docs/quantization.md)")
     p.set_defaults(func=cmd_explain)
 
 
@@ -69,33 +71,55 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: config.json keys the analytic (no-capture) requirements need; other configs are captured instead
+ANALYTIC_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
 def load_requirements(model: str, capture: bool = False):
-    """ModelRequirements from a saved graph dir, an HF dir/config.json, or a captured graph."""
+    """ModelRequirements from a saved graph dir, an HF dir/config.json, or a captured graph.
+
+    config.json is read analytically only when it has the Llama/Qwen-style keys; any other
+    architecture (GPT-2's n_embd, ...) is captured, which works for every supported model."""
     from portlayer.capabilities.requirements import ModelRequirements
+    from portlayer.errors import UsageError
 
     path = Path(model)
+    from portlayer.flatten.gguf_source import find_gguf
+
+    if path.exists() and find_gguf(path) is not None:  # a .gguf: its converted HF directory
+        from portlayer.builtin_models import resolve_model
+
+        path = Path(resolve_model(model))
     if (path / "graph.json").exists():
         from portlayer.flatten.serialize import load_graph
 
         return ModelRequirements.from_graph(load_graph(path), name=model)
     if not path.exists():
-        try:
-            from portlayer.builtin_models import resolve_model
+        from portlayer.builtin_models import resolve_model
 
-            path = Path(resolve_model(model))
-        except Exception as e:
-            raise SystemExit(f"explain: {model!r} is not a directory, config.json or known model name ({e})") from None
+        path = Path(resolve_model(model))
     config = path if path.suffix == ".json" else path / "config.json"
-    if capture or not config.exists():
+    if path.is_file() and path.suffix != ".json":
+        raise UsageError(f"{path}: expected an HF model directory, its config.json, or a saved graph directory")
+    raw = None
+    if config.is_file():
+        try:
+            raw = json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise UsageError(f"{config}: not valid JSON ({str(e)[:200]}); fix the file or re-save the model") from None
+    analytic = isinstance(raw, dict) and all(isinstance(raw.get(k), int) for k in ANALYTIC_KEYS)
+    if capture or not analytic:
+        if path.suffix == ".json":
+            path = path.parent
         from portlayer.flatten.capture import capture as capture_graph
 
         return ModelRequirements.from_graph(capture_graph(str(path)), name=model)
-    return ModelRequirements.from_hf_config(json.loads(config.read_text()), name=model)
+    return ModelRequirements.from_hf_config(raw, name=model)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from portlayer.capabilities.descriptor import load_descriptor
-    from portlayer.capabilities.policy import PlanError, negotiate
+    from portlayer.capabilities.policy import negotiate
     from portlayer.capabilities.probe import default_target
 
     req = load_requirements(args.model, capture=args.capture)
@@ -105,13 +129,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
         overrides["compute_dtype"] = args.dtype
     if args.quantization:
         overrides["weight_quantization"] = args.quantization
-    try:
-        plan = negotiate(req, target, overrides)
-    except PlanError as e:
-        print(f"explain: {e}", file=sys.stderr)
-        return 2
+    # a PlanError is a user error: the CLI prints it, exit 2
+    if args.gate:
+        plan = _gated_plan(args.model, target, overrides)
+    else:
+        plan = negotiate(req, target, overrides, quality=_quality(args.model))
     print(plan.dumps() if args.json else plan.format_table())
     return 0
+
+
+def _quality(model: str) -> dict | None:
+    """Native GGUF blocks of the model source, which the policy keeps by default."""
+    from portlayer.flatten.gguf_source import native_summary
+
+    try:
+        from portlayer.builtin_models import resolve_model
+
+        native = native_summary(resolve_model(model))
+    except (FileNotFoundError, ValueError, RuntimeError):
+        native = None
+    return {"native": native} if native else None
+
+
+def _gated_plan(model: str, target, overrides: dict):
+    """The plan compile would use: the quality gate measured on the lossy pick, fallbacks with reasons."""
+    from portlayer.flatten.capture import capture as capture_graph
+    from portlayer.flatten.logits import select_logit_rows
+    from portlayer.passes.gated import run_gated
+
+    outcome = run_gated(select_logit_rows(capture_graph(model)), target, overrides)
+    for line in outcome.lines():
+        print(line)
+    if outcome.warning:
+        print(f"WARNING: {outcome.warning}")
+    return outcome.result.plan
 
 
 def main(argv: list[str] | None = None) -> int:

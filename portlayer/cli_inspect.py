@@ -11,16 +11,33 @@ from portlayer.flatten.ir import Graph
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="show a model's Flat IR (text, json or dot)",
+    p = sub.add_parser("inspect", help="show a model's Flat IR (text, json or dot)", formatter_class=PassNamesFormatter,
                        description="Capture MODEL (a local HF directory or a built-in example name) and show its IR.")
     p.add_argument("model", help="local HF directory, or a built-in name such as tiny-qwen3 or all-minilm-l6-v2")
     p.add_argument("--format", choices=("text", "json", "dot"), default="text")
     p.add_argument("--target", default=None,
                    help="run the pass pipeline for this descriptor (name, 'auto' or path.json) before showing")
-    p.add_argument("--after", default=None, help="with --target: show the graph after this pass (default: all passes)")
+    p.add_argument("--after", default=None, help="with --target: show the graph after this pass (default: all passes); passes in order: {passes}")
     p.add_argument("--dump-passes", default=None, metavar="DIR", help="with --target: write the IR after every pass to DIR")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     p.set_defaults(func=run)
+
+
+class PassNamesFormatter(argparse.HelpFormatter):
+    """Fills ``{passes}`` in help texts with the pipeline's pass names, only when help is shown
+    (importing the pipeline costs seconds that other invocations should not pay)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text and "{passes}" in text:
+            text = text.replace("{passes}", ", ".join(_pass_names()))
+        return text
+
+
+def _pass_names() -> list[str]:
+    from portlayer.passes.pipeline import pass_names
+
+    return pass_names()
 
 
 def summary(graph: Graph, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -47,7 +64,13 @@ def summary(graph: Graph, extra: dict[str, Any] | None = None) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    from portlayer.errors import UsageError
     from portlayer.flatten import capture
+
+    if args.after is not None and args.after not in _pass_names():
+        raise UsageError(f"--after {args.after!r} is not a pass; passes in order: {', '.join(_pass_names())}")
+    if (args.after or args.dump_passes) and not args.target:
+        raise UsageError("--after and --dump-passes need --target NAME (the descriptor whose passes to run)")
 
     graph = capture(args.model, progress=lambda m: print(f"[portlayer] {m}", file=sys.stderr))
     extra: dict[str, Any] = {}

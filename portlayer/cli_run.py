@@ -12,10 +12,10 @@ import json
 import sys
 import time
 
-from portlayer.errors import PortlayerError
+from portlayer.errors import UsageError
 
 
-class CLIUsageError(PortlayerError):
+class CLIUsageError(UsageError):
     """A command-line value that cannot be used as given."""
 
 
@@ -24,8 +24,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Load ARTIFACT and generate a continuation of one prompt (greedy unless --temperature).")
     r.add_argument("artifact", help="artifact directory from `portlayer compile`, or an HF directory / built-in name")
     src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompt", action="append", help="prompt text (needs the model's tokenizer); repeat for several, "
+                     "which are batched together")  # fmt: skip
+    src.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids, e.g. 1,2,3; repeatable")
     r.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -33,7 +34,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     r.add_argument("--device", default="cpu", help="torch device when ARTIFACT is a model, not an artifact (default cpu)")
-    r.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    r.add_argument("--chat", action="store_true",
+                   help="send each --prompt as a user message rendered with the model's chat template")
+    r.add_argument("--stream", action="store_true", help="print text as it is generated (prompts run one after another)")
+    r.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeat for several): the output ends before it")
+    r.add_argument("--json", action="store_true",
+                   help='print {"token_ids": [...], "text": ..., "finish_reason": ...}, one line per prompt')
     r.add_argument("--interpret", action="store_true",
                    help="run a Triton artifact (CUDA/ROCm/XPU target) on this CPU under the Triton interpreter")
     r.set_defaults(func=run_generate)
@@ -65,33 +72,96 @@ def _open(args: argparse.Namespace):
     return LLMEngine.open(args.artifact, device=args.device)
 
 
+def _prompts(args: argparse.Namespace, engine) -> list:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise CLIUsageError("--chat renders text messages; use it with --prompt, not --prompt-ids")
+        return [parse_ids(p) for p in args.prompt_ids]
+    if not args.chat:
+        return list(args.prompt)
+    from portlayer.runtime.chat import render_chat
+
+    return [render_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in args.prompt]
+
+
+def _generate(engine, prompts: list, params, stop: list[str], on_text=None) -> list[tuple]:
+    """Run ``prompts`` together; stop strings end a request at once (its KV blocks freed).
+
+    Returns (RequestOutput, text, stop string or None) per prompt; ``on_text(i, delta)`` sees text as it comes."""
+    from portlayer.runtime.detokenizer import TextStream
+    from portlayer.runtime.sequence import RequestOutput
+
+    texts: dict[str, TextStream] = {}
+    last: dict[str, RequestOutput] = {}
+    order: list[str] = []
+    for out in engine.stream(prompts, params):
+        rid = out.request_id
+        if rid not in texts:
+            texts[rid] = TextStream(engine.tokenizer, stop)
+            order.append(rid)
+        ts = texts[rid]
+        if out.error:
+            raise CLIUsageError(out.error)
+        delta = ts.add(out.new_token_ids, final=out.finished)
+        if ts.stopped and not out.finished:
+            engine.abort_request(rid)
+        last[rid] = out
+        if on_text is not None and delta:
+            on_text(order.index(rid), delta)
+    return [(last[r], texts[r].text if engine.tokenizer is not None else None, texts[r].stop_reason) for r in order]
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from portlayer.runtime.sequence import SamplingParams
 
-    prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # fmt: skip
     except ValueError as e:
         raise CLIUsageError(str(e)) from None
     engine = _open(args)
+    if args.prompt_ids is None and engine.tokenizer is None:
+        raise CLIUsageError(f"{args.artifact} has no tokenizer (its model directory had no tokenizer files), so "
+                            "--prompt TEXT cannot be encoded; pass token ids instead: --prompt-ids 1,2,3")
+    prompts = _prompts(args, engine)
+    if args.stop and engine.tokenizer is None:
+        raise CLIUsageError("--stop matches text, and this model has no tokenizer; drop --stop")
     t0 = time.perf_counter()
-    out = engine.generate([prompt], params)[0]
-    dt = time.perf_counter() - t0
-    if out.error:
-        raise CLIUsageError(out.error)
-    if args.json:
-        print(json.dumps({"token_ids": out.token_ids, "text": out.text}))
+    if args.stream:  # one prompt at a time, so the text on screen is never interleaved
+        results = []
+        for i, p in enumerate(prompts):
+            if i:
+                print(flush=True)
+            echo = (lambda _i, d: print(d, end="", flush=True)) if not args.json else None
+            results += _generate(engine, [p], params, args.stop, echo)
+            if echo is not None and results[-1][1] is None:
+                print(" ".join(map(str, results[-1][0].token_ids)), end="")
+        if not args.json:
+            print(flush=True)
     else:
-        print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
-    n = len(out.token_ids)
-    print(f"[portlayer] {len(out.prompt_token_ids)} prompt + {n} generated tokens in {dt:.2f} s "
-          f"({n / max(dt, 1e-9):.1f} tok/s, finish: {out.finish_reason})", file=sys.stderr)  # fmt: skip
+        results = _generate(engine, prompts, params, args.stop)
+    dt = time.perf_counter() - t0
+    for i, (out, text, stop) in enumerate(results):
+        if args.json:
+            print(json.dumps({"token_ids": out.token_ids, "text": text, "finish_reason": "stop" if stop else
+                              out.finish_reason, "stop_reason": stop}))  # fmt: skip
+        elif not args.stream:
+            if i:
+                print()
+            print(text if text is not None else " ".join(map(str, out.token_ids)))
+    n = sum(len(o.token_ids) for o, _, _ in results)
+    np_ = sum(len(o.prompt_token_ids) for o, _, _ in results)
+    reasons = ", ".join(sorted({"stop" if s else (o.finish_reason or "?") for o, _, s in results}))
+    print(f"[portlayer] {np_} prompt + {n} generated tokens in {dt:.2f} s "
+          f"({n / max(dt, 1e-9):.1f} tok/s, finish: {reasons})", file=sys.stderr)  # fmt: skip
     return 0
 
 
 def run_embed(args: argparse.Namespace) -> int:
     engine = _open(args)
+    if engine.tokenizer is None:
+        raise CLIUsageError(f"{args.artifact} has no tokenizer (its model directory had no tokenizer files), so "
+                            "--text cannot be encoded; embed token ids from Python: engine.embed([[1, 2, 3]])")
     t0 = time.perf_counter()
     emb = engine.embed(args.text)
     dt = time.perf_counter() - t0

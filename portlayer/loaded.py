@@ -10,6 +10,7 @@ import functools
 import html
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from portlayer.capabilities.descriptor import Descriptor, DescriptorError
@@ -17,6 +18,9 @@ from portlayer.capabilities.plan import Plan
 from portlayer.flatten.ir import Graph
 from portlayer.runtime import artifact as A
 from portlayer.runtime.artifact import ArtifactError, Manifest
+
+#: files that make a tokenizer (generation_config.json alone does not)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model", "merges.txt")
 
 
 def _recompile(m: Manifest) -> str:
@@ -43,11 +47,16 @@ class LoadedArtifact:
     @functools.cached_property
     def graph(self) -> Graph:
         from portlayer.flatten.serialize import GraphFileError, load_graph
+        from portlayer.flatten.verify import VerificationError, verify_graph
 
-        try:
-            return load_graph(self.path)
+        try:  # from the bytes verified by load() (weights: re-checked against the manifest as read)
+            graph = load_graph(self.path, read=lambda name: A.read_verified_bytes(self.manifest, name))
+            verify_graph(graph)  # the IR rules, kernel groups and memory plan: codegen trusted them
         except GraphFileError as e:
             raise ArtifactError(f"{e}\nRecompile: `{_recompile(self.manifest)}`") from None
+        except VerificationError as e:
+            raise ArtifactError(f"{self.path / A.GRAPH}: {e}\nRecompile: `{_recompile(self.manifest)}`") from None
+        return graph
 
     @property
     def torch_device(self) -> str:
@@ -70,25 +79,26 @@ class LoadedArtifact:
         if self.manifest.raw.get("codegen", {}).get("generated"):
             adapter = get_backend(self.descriptor, index=max(self.device.index, 0))
             loader = getattr(adapter, "load_program", None)
+            sources = A.verified_sources(self.manifest)  # the bytes load() checked: never re-read from disk
             if loader is not None and self.emulated:  # CANN program bound to the CPU emulator of torch_npu
                 from portlayer.backends.ascend_emulator import AscendEmulator
 
-                return loader(self.path, graph.weights, plan=self.plan, npu=AscendEmulator())
+                return loader(self.path, graph.weights, plan=self.plan, npu=AscendEmulator(), sources=sources)
             if loader is not None:  # the Plan sizes its buffers and picks its CUDA-graph batch sizes
-                return loader(self.path, graph.weights, plan=self.plan)
+                return loader(self.path, graph.weights, plan=self.plan, sources=sources)
         return ReferenceExecutable(graph, device=self.torch_device)
 
     # ---- validation ----------------------------------------------------------------------
     def validation_cases(self) -> tuple[dict[str, Any], list[Any]]:
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         from portlayer.runtime.validation import from_files
 
         doc = A.read_json_file(self.manifest, A.VALIDATION)
         tpath = self.path / A.VALIDATION_TENSORS
         try:
-            tensors = load_file(str(tpath))
+            tensors = load(A.read_verified_bytes(self.manifest, A.VALIDATION_TENSORS))
         except (SafetensorError, OSError, ValueError) as e:
             raise ArtifactError(f"{tpath}: not a readable safetensors file ({e}); recompile: `{_recompile(self.manifest)}`") from None
         try:
@@ -109,13 +119,27 @@ class LoadedArtifact:
                         quantization=_plan_value(self.plan, "weight_quantization", "none") or "none")
 
     def tokenizer(self) -> Any:
-        """The model's tokenizer from the artifact (None when the model had no tokenizer files)."""
-        tdir = self.path / A.TOKENIZER_DIR
-        if not self.manifest.files_of("tokenizer"):
+        """The model's tokenizer from the artifact (None when the model had no tokenizer files).
+
+        Built from the verified bytes, copied to a private temporary directory (the artifact's own
+        files may have changed since load()). Only generation_config.json is not a tokenizer."""
+        rels = [r for r in self.manifest.files_of("tokenizer") if not r.endswith("/generation_config.json")]
+        if not any(Path(r).name in TOKENIZER_FILES for r in rels):
             return None
+        import tempfile
+
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(tdir))
+        with tempfile.TemporaryDirectory(prefix="portlayer-tok-") as tmp:
+            for rel in rels:
+                dest = Path(tmp) / Path(rel).relative_to(A.TOKENIZER_DIR)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(A.read_verified_bytes(self.manifest, rel))
+            try:
+                return AutoTokenizer.from_pretrained(tmp)
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                raise ArtifactError(f"{self.path / A.TOKENIZER_DIR}: the tokenizer files do not load ({type(e).__name__}: "
+                                    f"{str(e)[:300]}); pass token ids, or recompile: `{_recompile(self.manifest)}`") from None
 
     # ---- running ------------------------------------------------------------------------
     def engine(self, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
+from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
 FORMAT_VERSION = 1
@@ -41,8 +42,8 @@ FIXED_KINDS = {
     GRAPH: "graph", WEIGHTS: "weights", PLAN: "plan", CAPABILITY: "capability",
     VALIDATION: "validation", VALIDATION_TENSORS: "validation",
 }  # fmt: skip
-#: written by Python when generated code is imported; never trusted, never listed
-IGNORED_PARTS = ("__pycache__",)
+#: files up to this size are held in memory from verification on (what load() checked is what runs)
+HOLD_MAX_BYTES = 64 << 20
 
 
 class ArtifactError(PortlayerError):
@@ -79,10 +80,17 @@ def toolkit_versions() -> dict[str, str]:
 
 
 def _walk(root: Path) -> Iterator[str]:
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root)
-        if p.is_file() and not any(part in IGNORED_PARTS for part in rel.parts) and rel.as_posix() != MANIFEST:
-            yield rel.as_posix()
+    """Every entry under ``root`` that is not a directory (files, symlinks, FIFOs, ...), manifest excluded.
+
+    Nothing is skipped: a ``__pycache__`` or any other file the manifest does not list is reported."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        links = [d for d in dirnames if (base / d).is_symlink()]
+        for name in sorted(filenames + links):
+            rel = (base / name).relative_to(root).as_posix()
+            if rel != MANIFEST:
+                yield rel
+        dirnames[:] = sorted(d for d in dirnames if d not in links)
 
 
 def kind_of(rel: str, declared: Mapping[str, str]) -> str:
@@ -147,26 +155,12 @@ class ArtifactWriter:
             "files": files,
         }
         (self.dir / MANIFEST).write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        _replace_dir(self.dir, self.final)
+        replace_dir(self.dir, self.final)
         self.committed = True
         return self.final
 
 
-def _replace_dir(staged: Path, final: Path) -> None:
-    """Rename ``staged`` to ``final``; an existing artifact there is swapped out, anything else refused."""
-    if final.exists():
-        if final.is_dir() and (final / MANIFEST).is_file() or (final.is_dir() and not any(final.iterdir())):
-            trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-            os.rename(staged, final)
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-        shutil.rmtree(staged, ignore_errors=True)
-        raise ArtifactError(
-            f"{final} exists and is not a portlayer artifact (no {MANIFEST}); "
-            "pass an empty or new directory to -o, or remove it first"
-        )
-    os.rename(staged, final)
+_replace_dir = replace_dir  # the old private name
 
 
 # ---- reading and verifying --------------------------------------------------------------
@@ -174,6 +168,8 @@ def _replace_dir(staged: Path, final: Path) -> None:
 class Manifest:
     path: Path
     raw: dict[str, Any] = field(repr=False)
+    #: bytes of the files verify_artifact checked (all but the large ones): later reads use these
+    held: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
@@ -218,8 +214,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     if not mpath.is_file():
         raise ArtifactError(f"{mpath}: missing; {root} is not a portlayer artifact (or was copied incompletely)")
     try:
-        raw = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(_read_bytes(mpath))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{mpath}: not valid JSON ({e}); the artifact is damaged, recompile it") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
@@ -238,18 +234,33 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
 
 def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
-    """Check every listed file's sha256 and refuse unlisted ones, before anything is loaded."""
+    """Check every listed file's sha256 and refuse unlisted ones, before anything is loaded.
+
+    Each file is read once; the returned Manifest holds the bytes of every file up to
+    HOLD_MAX_BYTES (all generated sources, the graph, the plan), so what runs later is what
+    was checked here even if the directory changes afterwards. Larger files (weights) are
+    checked again against the manifest when they are read (read_verified_bytes).
+    """
     m = read_manifest(directory)
     root = m.path
     problems = []
+    held: dict[str, bytes] = {}
     for rel, info in m.files.items():
         p = root / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
+        if ".." in Path(rel).parts or Path(rel).is_absolute() or rel == MANIFEST:
             problems.append(f"{rel} ({info['kind']}): path escapes the artifact directory")
+        elif p.is_symlink() or any(q.is_symlink() for q in _parents_below(root, p)):
+            problems.append(f"{rel} ({info['kind']}): a symbolic link (an artifact holds regular files only)")
         elif not p.is_file():
             problems.append(f"{rel} ({info['kind']}): missing")
         elif p.stat().st_size != info.get("bytes", p.stat().st_size):
             problems.append(f"{rel} ({info['kind']}): {p.stat().st_size} bytes, manifest says {info['bytes']} (truncated or modified)")
+        elif p.stat().st_size <= HOLD_MAX_BYTES:
+            data = _read_bytes(p)
+            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+                problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+            else:
+                held[rel] = data
         elif sha256_file(p) != info["sha256"]:
             problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
     for rel in _walk(root):
@@ -263,15 +274,55 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
     for kind in ("graph", "weights", "plan", "capability"):
         if not m.files_of(kind):
             raise ArtifactError(f"{root / MANIFEST}: lists no {kind} file; the artifact is incomplete, recompile it")
-    return m
+    return Manifest(root, m.raw, held)
+
+
+def _parents_below(root: Path, p: Path) -> list[Path]:
+    out, q = [], p.parent
+    while q != root and root in q.parents:
+        out.append(q)
+        q = q.parent
+    return out
+
+
+def _read_bytes(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def read_verified_bytes(m: Manifest, rel: str) -> bytes:
+    """The bytes of artifact member ``rel``: held since verification, or read now and checked
+    against the manifest loaded then (a file replaced after load() is refused, not used)."""
+    if rel in m.held:
+        return m.held[rel]
+    info = m.files.get(rel)
+    if info is None:
+        raise ArtifactError(f"{m.path / rel}: not listed in {m.path / MANIFEST}; the artifact is incomplete, recompile it")
+    data = _read_bytes(m.path / rel)
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise ArtifactError(f"{m.path / rel} ({info['kind']}): changed since the artifact was verified (sha256 differs "
+                            "from the manifest); reload it, or restore the file")
+    return data
+
+
+def verified_sources(m: Manifest) -> Any:
+    """The artifact's generated sources (codegen.source_loader.VerifiedSources) from the held bytes."""
+    from portlayer.codegen.source_loader import VerifiedSources
+
+    rels = m.files_of("source")
+    missing = [r for r in rels if r not in m.held]
+    if missing:
+        raise ArtifactError(f"artifact {m.path}: generated sources {missing[:3]} were not held at verification "
+                            f"(over {HOLD_MAX_BYTES} bytes, or the manifest was not verified); recompile it")
+    return VerifiedSources(m.path.resolve(), {r: m.held[r] for r in rels}, verified=True)
 
 
 def read_json_file(m: Manifest, rel: str) -> Any:
     """A verified JSON member of the artifact; malformed content is an ArtifactError naming it."""
     p = m.path / rel
     try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(read_verified_bytes(m, rel))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(
             f"{p}: not valid JSON ({e}); the artifact is damaged, recompile it: "
             f"`{m.recompile_command(m.target.get('name', 'auto'))}`"

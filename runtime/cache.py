@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from portlayer.errors import PortlayerError
 from portlayer.runtime.artifact import (
     MANIFEST,
     ArtifactError,
@@ -169,7 +170,10 @@ def get_or_build(key: str, build: Callable[[Path], Path]) -> tuple[Path, bool]:
             return hit, True
         path = entry_path(key)
         if path.exists():  # damaged or stale entry: replace it
-            _remove(path)
+            why = _remove(path)
+            if why:
+                raise CacheClearError(f"the damaged cache entry {path} cannot be replaced ({why}); remove it by hand "
+                                      "or point PORTLAYER_CACHE at a writable directory")
         return build(path), False
 
 
@@ -205,27 +209,54 @@ def list_entries() -> list[CacheEntry]:
     return out
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> str | None:
+    """Remove a cache entry (renamed aside first, so readers never see half of one); None when
+    it is gone, else why it could not be removed."""
     trash = path.parent / f".{path.name}.removing-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    errors: list[str] = []
+    shutil.rmtree(trash, onerror=lambda _f, p, exc: errors.append(f"{p}: {exc[1]}"))
+    return errors[0] if errors else None
+
+
+class CacheClearError(PortlayerError):
+    """Some cache entries could not be removed (a read-only or foreign-owned cache)."""
 
 
 def clear(everything: bool = False) -> int:
-    """Remove cached artifacts (and, with ``everything``, materialised models and hash memos)."""
+    """Remove cached artifacts (and, with ``everything``, captured graphs, materialised models and
+    hash memos). Returns how many artifacts were removed; raises CacheClearError naming what was
+    not (nothing is reported removed that is still there)."""
     n = 0
+    failures: list[str] = []
     root = artifacts_dir()
-    for p in list(root.iterdir()) if root.is_dir() else []:
-        if p.is_dir():
-            _remove(p) if not p.name.startswith(".") else shutil.rmtree(p, ignore_errors=True)
-            n += not p.name.startswith(".")
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if not p.is_dir() or p.is_symlink():
+            continue
+        why = _remove(p)
+        if why:
+            failures.append(why)
+        elif not p.name.startswith("."):
+            n += 1
     if everything:
         for sub in ("models", "captured", "locks"):
-            shutil.rmtree(cache_root() / sub, ignore_errors=True)
-        _memo_path().unlink(missing_ok=True)
+            d = cache_root() / sub
+            if d.is_dir():
+                why = _remove(d)
+                if why:
+                    failures.append(why)
+        try:
+            _memo_path().unlink(missing_ok=True)
+        except OSError as e:
+            failures.append(f"{_memo_path()}: {e.strerror or e}")
+    if failures:
+        raise CacheClearError(f"removed {n} cached artifact(s) from {cache_root()}, but {len(failures)} could not be "
+                              "removed (is the cache read-only or owned by another user?):\n  - " + "\n  - ".join(failures[:10]))
     return n
 
 

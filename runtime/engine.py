@@ -22,9 +22,10 @@ from portlayer.runtime.block_manager import BlockManager
 from portlayer.runtime.executable import Executable
 from portlayer.runtime.kv_cache import KVCacheSpec, allocate_kv_caches
 from portlayer.runtime.model_runner import ModelRunner
-from portlayer.runtime.sampler import Sampler
+from portlayer.runtime.sampler import Sampler, check_sampling_params
 from portlayer.runtime.scheduler import Scheduler, SchedulerConfig
 from portlayer.runtime.sequence import RequestOutput, RequestRejected, SamplingParams, Sequence
+from portlayer.runtime.step_guard import execute_isolating_failures, sample_guarded
 
 Prompt = str | Seq[int]
 
@@ -97,6 +98,7 @@ class LLMEngine:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self._seq_ids = itertools.count()
         self.requests: dict[str, Sequence] = {}
+        self.errors: dict[str, str] = {}  # request id -> why it finished with an error
         self.num_steps = 0
 
     # ---- construction ----------------------------------------------------------------
@@ -163,9 +165,13 @@ class LLMEngine:
             raise RequestRejected(f"generate needs a causal LM; this model's task is {self.config.task!r} (use embed)")
         seq_id = next(self._seq_ids)
         rid = request_id if request_id is not None else str(seq_id)
+        params = params if params is not None else SamplingParams()
+        check_sampling_params(params, rid)
+        if rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use by an unfinished request; pick another")
         ids = self._tokenize(prompt, rid)
         self._check_prompt(ids, rid)
-        seq = Sequence(seq_id, rid, ids, params or SamplingParams(), arrival=seq_id)
+        seq = Sequence(seq_id, rid, ids, params, arrival=seq_id)
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -176,7 +182,10 @@ class LLMEngine:
                 raise RequestRejected(f"request {rid}: a text prompt needs a tokenizer, and this model has none; "
                                       "pass token ids instead")  # fmt: skip
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestRejected(f"request {rid}: a prompt is a text or a list of integer token ids") from None
 
     def _check_prompt(self, ids: list[int], rid: str) -> None:
         c, max_pos = self.config, int(self.meta.get("max_positions") or 0)
@@ -201,32 +210,69 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop ``request_id`` wherever it is (waiting or running) and free its KV blocks now.
+
+        True if a live request was aborted; False for an unknown or already finished id (a
+        client that disconnects after its last token is not an error)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the program once, sample; outputs for every sequence that got a token."""
+        """Schedule, run the program once, sample; outputs for every sequence that got a token.
+
+        Transactional per request: a sequence's state advances only after its tokens ran and
+        its next token was sampled. A failure (an exception in the program, non-finite logits,
+        a sampling error) finishes only the requests it affects, with ``finish_reason="error"``
+        and the message in ``error``; the engine goes on serving the others.
+        """
         batch = self.scheduler.schedule()
         if batch.empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                                    f"{len(self.scheduler.running)} running sequences; this is a bug")  # fmt: skip
             return []
-        due, logits = self.runner.execute(batch.items)
-        for seq, n in batch.items:
+        outputs: list[RequestOutput] = []
+        ran, due, logits, failed = execute_isolating_failures(self.runner, batch.items)
+        for seq, msg in failed:
+            outputs.append(self._fail(seq, msg))
+        for seq, n in ran:
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
-        outputs = []
-        for seq, tok in zip(due, self.sampler(logits, due)):
+        for seq, tok in zip(due, sample_guarded(self.sampler, logits, due)):
+            if isinstance(tok, str):
+                outputs.append(self._fail(seq, tok))
+                continue
             seq.append_token(tok)
             reason = seq.stop_reason(self.eos_token_id, self.config.max_model_len)
             if reason:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(RequestOutput.of(seq, self._detok(seq) if seq.finished else None))
+            try:
+                text = self._detok(seq) if seq.finished else None
+            except Exception as e:  # a tokenizer that cannot decode these ids: the tokens still stand
+                text, self.errors[seq.request_id] = None, f"detokenizing failed ({type(e).__name__}: {e})"
+            out = RequestOutput.of(seq, text)
+            out.error = self.errors.get(seq.request_id) if seq.finished else None
+            outputs.append(out)
         self.num_steps += 1
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish ``seq`` with an error output; its KV blocks go back to the pool."""
+        self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        self.errors[seq.request_id] = f"request {seq.request_id}: {message}"
+        out = RequestOutput.of(seq, None)
+        out.error = self.errors[seq.request_id]
+        return out
 
     def _detok(self, seq: Sequence) -> str | None:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
@@ -272,7 +318,10 @@ class LLMEngine:
 
     def _final(self, seq: Sequence) -> RequestOutput:
         seq.num_emitted = 0
-        return RequestOutput.of(seq, self._detok(seq))
+        err = self.errors.get(seq.request_id)
+        out = RequestOutput.of(seq, None if seq.finish_reason == "error" else self._detok(seq))
+        out.error = err
+        return out
 
     def embed(self, texts: Seq[str] | Seq[Seq[int]]) -> torch.Tensor:
         """Embeddings [n, hidden] with the model's own pooling (sentence-transformers dirs) or mean pooling."""

@@ -67,3 +67,42 @@ class Sampler:
         scaled = apply_top_k_top_p(row.float() / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(scaled, dim=-1)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+#: below this a temperature over/underflows float32 logits (vLLM treats it as greedy; we refuse it)
+MIN_TEMPERATURE = 1e-5
+
+
+def check_sampling_params(p: SamplingParams, request_id: str) -> None:
+    """Refuse values the sampler cannot use (NaN/Inf, out of range, wrong type) before anything is queued.
+
+    SamplingParams' own checks let NaN through (every comparison with NaN is False) and do not
+    check types; a value refused here would otherwise fail inside a step, mid-batch."""
+    import math
+
+    from portlayer.runtime.sequence import RequestRejected
+
+    def bad(field: str, why: str) -> RequestRejected:
+        return RequestRejected(f"request {request_id}: sampling parameter {field}={getattr(p, field)!r} {why}")
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(p, SamplingParams):
+        raise RequestRejected(f"request {request_id}: params must be a SamplingParams, not {type(p).__name__}")
+    t = p.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise bad("temperature", "must be a finite number >= 0 (0 is greedy)")
+    if 0 < t < MIN_TEMPERATURE:
+        raise bad("temperature", f"is too small to sample with (below {MIN_TEMPERATURE:g}); use 0 for greedy")
+    tp = p.top_p
+    if isinstance(tp, bool) or not isinstance(tp, (int, float)) or not math.isfinite(tp) or not 0.0 < tp <= 1.0:
+        raise bad("top_p", "must be a finite number in (0, 1] (1 disables it)")
+    if not is_int(p.top_k):
+        raise bad("top_k", "must be an integer (0 or negative disables it)")
+    if not is_int(p.max_tokens) or p.max_tokens < 1:
+        raise bad("max_tokens", "must be an integer >= 1")
+    if p.seed is not None and (not is_int(p.seed) or not 0 <= p.seed < 2**63):
+        raise bad("seed", "must be None or an integer in [0, 2**63)")
+    if not all(is_int(t) for t in p.stop_token_ids):
+        raise bad("stop_token_ids", "must be integers")

@@ -54,10 +54,11 @@ def test_missing_and_unlisted_files_are_refused(art: Path) -> None:
     assert "portlayer compile tiny-test --target cpu-x86_64" in str(e.value)
 
 
-def test_pycache_written_by_imports_is_ignored(art: Path) -> None:
+def test_planted_pycache_is_refused(art: Path) -> None:
     (art / "generated" / "__pycache__").mkdir()
     (art / "generated" / "__pycache__" / "host_program.cpython-311.pyc").write_bytes(b"\0")
-    verify_artifact(art)
+    with pytest.raises(ArtifactError, match=r"generated/__pycache__/host_program\.cpython-311\.pyc: not listed"):
+        verify_artifact(art)
 
 
 def test_truncated_safetensors(art: Path) -> None:

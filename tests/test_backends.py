@@ -125,6 +125,9 @@ def test_cuda_adapter_on_a_real_gpu():
 @pytest.fixture
 def installed_plugin(tmp_path, monkeypatch):
     """pip-install the fixture adapter package into a temp dir (the venv stays clean)."""
+    from portlayer.capabilities import plugins, probe
+
+    registry.load_backends()  # built-ins first, while the plugin is not importable
     target = tmp_path / "site"
     out = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
@@ -136,8 +139,11 @@ def installed_plugin(tmp_path, monkeypatch):
     importlib.invalidate_caches()
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_ORIGINS", dict(registry._ORIGINS))
+    monkeypatch.setattr(plugins, "_DECLARED", dict(plugins._DECLARED))
     yield target
     sys.modules.pop("portlayer_fake_backend", None)
+    plugins._entry_points.cache_clear()  # later tests must not see the uninstalled plugin's devices
+    probe._probe_all.cache_clear()
 
 
 def test_out_of_tree_adapter_through_entry_points(installed_plugin):
@@ -148,7 +154,7 @@ def test_out_of_tree_adapter_through_entry_points(installed_plugin):
     assert "portlayer-fake-backend" in registry.backend_origin("fakeaccel")
     b = get_backend("fakeaccel")
     assert type(b).__name__ == "FakeAccelAdapter" and b.name == "fakeaccel"
-    assert b.descriptor.name == "cpu-x86_64"  # from its own probe()
+    assert b.descriptor.name == "fakeaccel-1" and b.descriptor.device_type == "fakeaccel"  # from its own probe()
     buf = b.allocate(100)
-    assert buf.data_ptr() % 64 == 0 and type(b).allocations == 1
+    assert buf.data_ptr() % 128 == 0 and type(b).allocations == 1
     assert b.query_memory_capacity().total_bytes == 1 << 30

@@ -118,8 +118,10 @@ MALFORMED = [
     (_set("memory.bandwidth_gbps", -5), "$.memory.bandwidth_gbps", "exclusiveMinimum"),
     (_set("memory.bandwidth_gbps", "fast"), "$.memory.bandwidth_gbps", "type"),
     (_set("memory.capacity_gb", 0), "$.memory.capacity_gb", "exclusiveMinimum"),
-    (_set("device_type", "tpu"), "$.device_type", "enum"),
-    (_set("codegen", "cuda_c"), "$.codegen", "enum"),
+    (_set("device_type", "TPU v5"), "$.device_type", "pattern"),  # open data: any lowercase identifier
+    (_set("codegen", "cuda_c"), "$.codegen", "known_codegen_family"),  # but the code family must exist
+    (_set("throughput_tflops.fp32", float("nan")), "$.throughput_tflops.fp32", "finite"),
+    (_set("memory.bandwidth_gbps", float("inf")), "$.memory.bandwidth_gbps", "finite"),
     (_set("schema_version", 2), "$.schema_version", "const"),
     (_set("warp_size", 32.5), "$.warp_size", "type"),
     (_set("warp_size", 0), "$.warp_size", "minimum"),

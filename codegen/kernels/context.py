@@ -56,9 +56,10 @@ def host_dim(d: Any) -> str:
     """A shape dim as a host-program expression (num_tokens -> T)."""
     if isinstance(d, int):
         return str(d)
-    expr = sympy.sympify(d)
-    expr = expr.subs({sympy.Symbol(k): sympy.Symbol(v) for k, v in HOST_SYMBOLS.items()})
-    return str(expr)
+    from portlayer.flatten.ir import to_sympy
+
+    expr = to_sympy(d)  # the strict dim grammar (flatten/dims.py): no sympify on IR text
+    return str(expr.xreplace({s: sympy.Symbol(HOST_SYMBOLS.get(s.name, s.name)) for s in expr.free_symbols}))
 
 
 def host_numel(shape: Any) -> str:

@@ -7,7 +7,9 @@ kernel takes), call the op's reference semantics from the registry through ``ref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 from portlayer.codegen.kernels.context import GenContext, host_dim
 from portlayer.codegen.lowering import GroupCode, KernelGroup
@@ -30,12 +32,24 @@ def build_view(ctx: GenContext, group: KernelGroup) -> GroupCode:
     return GroupCode([], view_lines(ctx, group.nodes), [])
 
 
+def py_literal(x: Any) -> str:
+    """Attributes as Python source that evaluates back to them (inf and nan included)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "float('nan')" if math.isnan(x) else ("float('inf')" if x > 0 else "float('-inf')")
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{py_literal(k)}: {py_literal(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (list, tuple)):
+        body = ", ".join(py_literal(v) for v in x)
+        return f"[{body}]" if isinstance(x, list) else f"({body}{',' if len(x) == 1 else ''})"
+    return repr(x)
+
+
 def reference_lines(ctx: GenContext, nodes: Sequence[Node], reason: str = "") -> list[str]:
     lines = [f"# reference op: {reason}"] if reason else []
     for n in nodes:
         ins = ", ".join(i if i is not None else "None" for i in n.inputs)
         outs = ", ".join(v.name for v in n.outputs)
-        lines.append(f"{outs}, = ref({n.op!r}, [{ins}], {attrs_literal(n.attrs)}, st)")
+        lines.append(f"{outs}, = ref({n.op!r}, [{ins}], {py_literal(n.attrs)}, st)")
     return lines
 
 
@@ -44,12 +58,3 @@ def build_reference(ctx: GenContext, group: KernelGroup) -> GroupCode:
     if group.impl == "reference":
         reason = f"no registered implementation accepts {', '.join(n.op for n in group.nodes)} on this target"
     return GroupCode([], reference_lines(ctx, group.nodes, reason), [])
-
-
-def attrs_literal(attrs: dict) -> str:
-    """repr() of the attrs, with non-finite floats (masked_fill(-inf) in MoE routers) spelled
-    so that the generated program parses: repr(-inf) is a bare name."""
-    text = repr(attrs)
-    for bad, good in (("-inf", "float('-inf')"), ("inf", "float('inf')"), ("nan", "float('nan')")):
-        text = text.replace(f": {bad},", f": {good},").replace(f": {bad}}}", f": {good}}}")
-    return text

@@ -1,0 +1,101 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column, pushing each column's
+rounding error onto the columns not yet quantized, weighted by the inverse Hessian of the
+layer's inputs (H = 2 X^T X from calibration activations).
+
+The output is the ``linear_wq`` contract: codes q, and per group of ``group_size`` input
+columns a float32 scale (and, asymmetric, an offset) so that ``w ~= q * scale + offset``.
+A group's scale/offset is fixed when the sweep reaches its first column (the "static
+groups off" variant of the reference implementation), from the error-updated weights, with
+a small clip search (the scale among a few shrink ratios with the least squared error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
+
+
+def group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale [N], offset [N] or None) for one group w [N, G], clip ratio chosen by squared error."""
+    qmax = 2 ** (bits - 1) - 1
+    best = None
+    for r in CLIP_RATIOS:
+        if symmetric:
+            s = (w.abs().amax(1) * r / qmax).clamp_min(1e-10)
+            off = None
+            q = torch.round(w / s[:, None]).clamp(-qmax - 1, qmax)
+            err = ((q * s[:, None] - w) ** 2).sum(1)
+        else:
+            lo, hi = w.amin(1) * r, w.amax(1) * r
+            s = ((hi - lo) / (2 * qmax + 1)).clamp_min(1e-10)
+            off = lo + (qmax + 1) * s  # q = u - (qmax+1): w = s*u + lo = s*q + off
+            q = torch.round((w - off[:, None]) / s[:, None]).clamp(-qmax - 1, qmax)
+            err = ((q * s[:, None] + off[:, None] - w) ** 2).sum(1)
+        if best is None:
+            best = [s, off, err]
+        else:
+            better = err < best[2]
+            best[0] = torch.where(better, s, best[0])
+            if off is not None:
+                best[1] = torch.where(better, off, best[1])
+            best[2] = torch.minimum(err, best[2])
+    return best[0], best[1]
+
+
+def rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest with the same per-group clip search, vectorized (GPTQ with H = I)."""
+    n, k = w.shape
+    qmax = 2 ** (bits - 1) - 1
+    wg = w.detach().float().reshape(n * (k // group_size), group_size)
+    s, off = group_params(wg, bits, symmetric)
+    base = off[:, None] if off is not None else 0.0
+    q = torch.round((wg - base) / s[:, None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(n, k)
+    ng = k // group_size
+    return q, s.reshape(n, ng), off.reshape(n, ng) if off is not None else None
+
+
+def gptq(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: int, symmetric: bool,
+         damp: float = 0.01, block: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q int8 [N, K], scales [N, K/g], offsets [N, K/g] or None) of weight ``w`` [N, K]."""
+    W = w.detach().float().clone()
+    n, k = W.shape
+    qmax = 2 ** (bits - 1) - 1
+    H = 2 * gram.double() / max(rows, 1)
+    if k % group_size:
+        raise ValueError(f"gptq: K={k} is not a multiple of group_size={group_size}")
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(k, dtype=H.dtype)
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
+    Q = torch.zeros(n, k, dtype=torch.int8)
+    ng = k // group_size
+    scales = torch.zeros(n, ng, dtype=torch.float32)
+    offsets = None if symmetric else torch.zeros(n, ng, dtype=torch.float32)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        E = torch.zeros_like(W1)
+        Hb = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:
+                g = col // group_size
+                grp = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :group_size]
+                s, off = group_params(grp, bits, symmetric)
+                scales[:, g] = s
+                if offsets is not None:
+                    offsets[:, g] = off
+            g = col // group_size
+            s = scales[:, g]
+            off = offsets[:, g] if offsets is not None else 0.0
+            x = W1[:, i]
+            q = torch.round((x - off) / s).clamp(-qmax - 1, qmax)
+            Q[:, col] = q.to(torch.int8)
+            err = (x - (q * s + off)) / Hb[i, i]
+            W1[:, i:] -= err[:, None] * Hb[i, i:][None, :]
+            E[:, i] = err
+        W[:, i2:] -= E @ Hinv[i1:i2, i2:]
+    return Q, scales.float(), offsets.float() if offsets is not None else None

@@ -1,0 +1,187 @@
+"""One background task stepping an ``LLMEngine`` while HTTP requests come and go.
+
+The engine is plain synchronous code that is not thread-safe, so every call into it (add,
+abort, step, embed) runs on one dedicated worker thread, in submission order: an add or
+an abort queued while a step runs takes effect right after that step, and the event loop
+stays free to accept and stream while the model computes. Each HTTP request owns an
+``asyncio.Queue``; after every step the loop puts each request's new tokens (with their
+logprobs, when asked) on its queue. This is continuous batching across clients: whatever
+is in the engine when a step starts shares that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from portlayer.runtime.sequence import RequestOutput, SamplingParams
+from portlayer.runtime.serve.logprobs import LogprobSampler, TokenLogprob
+
+log = logging.getLogger("portlayer.serve")
+
+
+class EngineOverloaded(Exception):
+    """More requests in flight than the server admits (``max_num_seqs + max_queue_len``)."""
+
+
+class EngineFailed(Exception):
+    """A step raised; every request in flight at that moment is failed with this."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None = None  # top-k alternatives to record per token (0 = the chosen one only)
+
+
+@dataclass
+class StepItem:
+    """What one step produced for one request."""
+
+    output: RequestOutput
+    logprobs: list[TokenLogprob]
+    time: float  # perf_counter() when the step ended
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_queue_len: int = 1024, step_observer: Any = None) -> None:
+        self.engine = engine
+        if type(engine.sampler) is not LogprobSampler:  # same token choices, plus logprobs on request
+            engine.sampler = LogprobSampler(engine.sampler.seed)
+        self.max_in_flight = engine.config.max_num_seqs + max(0, max_queue_len)
+        self.step_observer = step_observer  # called with (seconds, num_outputs) on the worker thread
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="portlayer-engine")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="portlayer-engine-loop")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still in flight (uvicorn has already let finished requests drain)."""
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        rids = list(self._queues)
+        if rids:
+            await self._call(self._abort_all, rids)
+        for q in self._queues.values():
+            q.put_nowait(EngineFailed("the server is shutting down; the request was aborted"))
+        self._queues.clear()
+        self._exec.shutdown(wait=True)
+
+    # ---- requests ------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def submit(self, subs: Sequence[Submission], queue: asyncio.Queue) -> list[str]:
+        """Queue these engine requests (all or none); their StepItems arrive on ``queue``.
+
+        Raises EngineOverloaded, or RequestRejected / ValueError from the engine (nothing queued)."""
+        if self._stopping or not self.alive:
+            raise EngineFailed("the engine loop is not running")
+        if len(self._queues) + len(subs) > self.max_in_flight:
+            raise EngineOverloaded(f"{len(self._queues)} requests in flight; this server admits {self.max_in_flight} "
+                                   "(--max-num-seqs + --max-queue-len); retry later")  # fmt: skip
+        rids = [f"req-{next(self._ids)}" for _ in subs]
+        for rid in rids:  # registered before the add, so no step's output can be missed
+            self._queues[rid] = queue
+        try:
+            await self._call(self._add_all, rids, subs)
+        except BaseException:
+            for rid in rids:
+                self._queues.pop(rid, None)
+            raise
+        assert self._wake is not None
+        self._wake.set()
+        return rids
+
+    def abort(self, rids: Sequence[str]) -> None:
+        """Stop these requests (a client went away, or a stop string matched); frees their KV blocks."""
+        live = [r for r in rids if self._queues.pop(r, None) is not None]
+        if live and not self._stopping:
+            self._exec.submit(self._abort_all, live)
+
+    async def embed(self, token_lists: list[list[int]]) -> torch.Tensor:
+        return await self._call(self.engine.embed, token_lists)
+
+    # ---- the worker thread ----------------------------------------------------------
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    def _add_all(self, rids: list[str], subs: Sequence[Submission]) -> None:
+        try:
+            for rid, s in zip(rids, subs):
+                if s.logprobs is not None:
+                    self.engine.sampler.want[rid] = s.logprobs
+                self.engine.add_request(s.prompt_token_ids, s.params, request_id=rid)
+        except BaseException:  # all or none: undo the ones already queued
+            self._abort_all(rids)
+            raise
+
+    def _abort_all(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.engine.sampler.forget(rid)
+            self.engine.abort_request(rid)
+
+    def _step(self) -> list[StepItem] | None:
+        if not self.engine.has_unfinished():
+            return None
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        t1 = time.perf_counter()
+        sampler = self.engine.sampler
+        items = [StepItem(o, sampler.take(o.request_id) if sampler.want else [], t1) for o in outs]
+        for o in outs:
+            if o.finished:
+                sampler.forget(o.request_id)
+        if self.step_observer is not None:
+            self.step_observer(t1 - t0, len(outs))
+        return items
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while not self._stopping:
+            self._wake.clear()  # before the check, so a submit after it always wakes us
+            try:
+                items = await self._call(self._step)
+            except Exception as e:  # a bug or a device error: fail who was in flight, keep serving
+                log.exception("engine step failed; aborting %d requests", len(self._queues))
+                rids = list(self._queues)
+                queues = [self._queues.pop(r) for r in rids]
+                await self._call(self._abort_all, rids)
+                for q in queues:
+                    q.put_nowait(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            if items is None:
+                await self._wake.wait()
+                continue
+            for it in items:
+                rid = it.output.request_id
+                q = self._queues.get(rid)
+                if q is None:
+                    continue  # aborted while the step ran
+                if it.output.finished:
+                    del self._queues[rid]
+                q.put_nowait(it)

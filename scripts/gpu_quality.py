@@ -1,0 +1,93 @@
+"""The quality gate's figures for SmolLM2 with bf16 compute on a CUDA device (docs/quantization.md).
+
+Runs from a source checkout, no installs:
+
+    PYTHONPATH=. python scripts/gpu_quality.py --gguf .devcarry/SmolLM2-135M-Instruct.Q4_1.gguf
+
+The GGUF is read with the ``gguf`` package (pure Python); where it is not installed, copy its
+folder (site-packages/gguf, 1.4 MB) to ``.devcarry/site/gguf`` and it is found there. Each
+format is quantized as ``portlayer compile`` would (passes/quantize.py, GPTQ on the CPU), then
+the float and quantized graphs run on the reference interpreter on the GPU and are graded by
+passes/quality_gate.py: once with the quantized model in bf16 against the float32 model (what
+a bf16 deployment sees), and once with the float model itself in bf16 (the bf16 floor).
+Prints a table and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _paths() -> None:
+    site = ROOT / ".devcarry" / "site"
+    if site.is_dir():
+        sys.path.insert(0, str(site))
+    os.environ.setdefault("PORTLAYER_CACHE", str(ROOT / ".devcarry" / "cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf (or any llama-family GGUF)")
+    src.add_argument("--model", help="instead: an HF directory or a built-in name (tiny-llama: a smoke test of this script)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--formats", nargs="+", default=["native", "int8", "int4"])
+    ap.add_argument("--target", default="nvidia-h200", help="descriptor whose plan (group size, ...) is used")
+    ap.add_argument("--methods", nargs="+", default=["gptq"], help="int8/int4 methods to grade (gptq, rtn)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    _paths()
+
+    import torch
+
+    from portlayer.build import capture_cached
+    from portlayer.builtin_models import resolve_model
+    from portlayer.passes.calibration import GATE_TEXT, token_ids
+    from portlayer.passes.pipeline import run_pipeline
+    from portlayer.passes.quality_gate import evaluate
+    from portlayer.runtime.cache import model_dir_hash
+    from portlayer.runtime.validation import build_cases
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_quality: no CUDA device here; pass --device cpu to run the same figures on the CPU", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    model_dir = resolve_model(args.gguf or args.model)
+    graph = capture_cached(model_dir, model_dir_hash(model_dir), lambda _m: None)  # reused by a later run
+    ids, how = token_ids(graph, GATE_TEXT, args.max_tokens)
+    prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
+    print(f"captured {graph.meta.get('model_type')} ({len(graph.nodes)} nodes) in {time.perf_counter() - t0:.0f} s; text: {how}")
+    rows = []
+    base = evaluate(graph, graph, "none", ids, how, prompts, args.device, dtype)
+    rows.append({"format": f"none ({args.dtype})", **base.to_json()})
+    native = bool(graph.meta.get("source")) and (Path(graph.meta["source"]) / "gguf_native.json").is_file()
+    for fmt in [f for f in args.formats if f != "native" or native]:
+        for method in args.methods if fmt != "native" else ["blocks"]:
+            t1 = time.perf_counter()
+            res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False,
+                               options={"quant_method": method} if fmt != "native" else None)
+            r = evaluate(graph, res.graph, fmt, ids, how, prompts, args.device, dtype)
+            rows.append({"format": f"{fmt} {method} ({args.dtype})", **r.to_json(), "seconds": round(time.perf_counter() - t1, 1)})
+            print(rows[-1]["format"], f"{r.summary()} [{rows[-1]['seconds']} s]", flush=True)
+    print(f"{'format':<28} {'top-1':>7} {'mean KL':>9} {'ppl ratio':>10}  gate")
+    for r in rows:
+        verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
+        print(f"{r['format']:<28} {r['top1']:>7.1%} {r['mean_kl']:>9.4f} {r['ppl_ratio']:>10.4f}  {verdict}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
