@@ -20,7 +20,7 @@ from transformers import masking_utils as mu
 from portlayer.flatten import capture, interpret
 from portlayer.flatten.hf_masks import infer_mask_spec
 from portlayer.flatten.ops import get_op
-from portlayer.flatten.selfcheck import SelfCheckError
+from portlayer.flatten.selfcheck import SelfCheckError, self_check
 
 COMMON = dict(vocab_size=128, max_position_embeddings=128)
 
@@ -44,14 +44,22 @@ def _hf(model, ids):
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state)[0]
 
 
+@pytest.fixture(scope="module")
+def captured_masks():
+    out = {}
+    for build in (_exaone4, _modernbert):
+        torch.manual_seed(0)
+        model = build().eval()
+        out[build.__name__] = (model, capture(model))
+    return out
+
+
 @pytest.mark.parametrize("build, windows, causal", [
-    (_exaone4, [4, 4, 4, None], True),        # the global layer's module still says sliding_window=4
-    (_modernbert, [None, 5, 5], False),        # two-sided: |q - k| <= local_attention // 2
+    ("_exaone4", [4, 4, 4, None], True),        # the global layer's module still says sliding_window=4
+    ("_modernbert", [None, 5, 5], False),        # two-sided: |q - k| <= local_attention // 2
 ])
-def test_layer_masks_match_hf_past_the_window(build, windows, causal):
-    torch.manual_seed(0)
-    model = build().eval()
-    g = capture(model)
+def test_layer_masks_match_hf_past_the_window(captured_masks, build, windows, causal):
+    model, g = captured_masks[build]
     attn = g.find("attention")
     assert [n.attrs["sliding_window"] for n in attn] == windows
     assert all(n.attrs["causal"] is causal for n in attn)
@@ -78,20 +86,15 @@ def _windowless_attention(monkeypatch):
 
 
 def test_broken_capture_is_refused_naming_layer_and_length(monkeypatch):
-    torch.manual_seed(0)
-    model = _exaone4().eval()
-    _windowless_attention(monkeypatch)
-    with pytest.raises(SelfCheckError, match=r"at 9 tokens; first differing output: layer model\.layers\.0 "):
-        capture(model)
-
-
-def test_no_verify_skips_with_a_warning(monkeypatch):
+    """capture(verify=False) warns and hands the broken graph back; the check capture runs
+    by default (self_check) refuses it, naming the first differing layer and the length."""
     torch.manual_seed(0)
     model = _exaone4().eval()
     _windowless_attention(monkeypatch)
     with pytest.warns(UserWarning, match="self-check skipped"):
         g = capture(model, verify=False)
-    assert g.find("attention")
+    with pytest.raises(SelfCheckError, match=r"at 9 tokens; first differing output: layer model\.layers\.0 "):
+        self_check(g, model)
 
 
 @pytest.mark.parametrize("fn, expect", [
