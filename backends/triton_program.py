@@ -17,7 +17,7 @@ import torch
 
 def triton_cache_dir() -> Path:
     """<portlayer cache>/triton, honouring an explicit TRITON_CACHE_DIR."""
-    from portlayer.builtin_models import cache_root
+    from portlayer.config import cache_root
 
     path = Path(os.environ.get("TRITON_CACHE_DIR") or cache_root() / "triton")
     path.mkdir(parents=True, exist_ok=True)

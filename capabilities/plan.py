@@ -155,8 +155,8 @@ class Plan:
         return [(d.name, format_value(d.name, d.value), d.reason) for d in self.decisions]
 
     def _repr_html_(self) -> str:
-        """Notebook view: the decisions as an HTML table (portlayer.notebook_views)."""
-        from portlayer.notebook_views import plan_html
+        """Notebook view: the decisions as an HTML table (capabilities/plan_view.py)."""
+        from portlayer.capabilities.plan_view import plan_html
 
         return plan_html(self)
 

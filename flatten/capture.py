@@ -356,7 +356,7 @@ def capture(
     st_info: SentenceTransformerInfo | None = None
     source = None
     if isinstance(model, (str, os.PathLike)):
-        from portlayer.builtin_models import resolve_model
+        from portlayer.flatten.builtin_models import resolve_model
 
         path = resolve_model(str(model))
         source = str(path)

@@ -8,24 +8,11 @@ machine. The Graph's own view lives in flatten/notebook.py.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_TABLE = "border-collapse:collapse;font-size:12px"
-_CELL = "text-align:left;padding:2px 8px;border-bottom:1px solid #ddd;vertical-align:top"
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x), quote=False)
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> str:
-    th = "".join(f"<th style='{_CELL}'>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td style='{_CELL}'>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-    cap = f"<caption style='text-align:left;font-weight:bold'>{_e(caption)}</caption>" if caption else ""
-    return f"<table style='{_TABLE}'>{cap}<tr>{th}</tr>{body}</table>"
+from portlayer.capabilities.plan_view import _e, _table, plan_html  # noqa: F401 - re-exported for notebooks
 
 
 def _fmt_bytes(n: float) -> str:
@@ -34,14 +21,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-# ---- Plan ------------------------------------------------------------------------------------
-def plan_html(plan: Any) -> str:
-    """Every decision with its value and reason (a capabilities.plan.Plan)."""
-    rows = plan.table()
-    return _table(("decision", "value", "reason"), rows,
-                  f"Plan for {plan.model} on {plan.target} (descriptor {plan.target_sha256[:12]})")
 
 
 # ---- memory plan -------------------------------------------------------------------------------

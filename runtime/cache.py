@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from portlayer.config import cache_root as _cache_root
 from portlayer.errors import PortlayerError
 from portlayer.runtime.artifact import (
     MANIFEST,
@@ -34,9 +35,7 @@ LOCK_TIMEOUT_S = 3600
 
 
 def cache_root() -> Path:
-    from portlayer.builtin_models import cache_root as root
-
-    return Path(root())
+    return _cache_root()
 
 
 def artifacts_dir() -> Path:

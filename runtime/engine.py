@@ -106,7 +106,7 @@ class LLMEngine:
     def from_model(cls, model: str | os.PathLike[str], *, device: str = "cpu", dtype: torch.dtype | None = None,
                    **kwargs: Any) -> LLMEngine:  # fmt: skip
         """Capture an HF directory or built-in name and serve it with the reference executable."""
-        from portlayer.builtin_models import resolve_model
+        from portlayer.flatten.builtin_models import resolve_model
         from portlayer.flatten.capture import capture
 
         path = resolve_model(str(model))
@@ -122,7 +122,7 @@ class LLMEngine:
         (docs/ascend.md); ``None`` follows PORTLAYER_ASCEND_EMULATOR=1 for CANN artifacts.
         ``interpret=True`` runs a Triton artifact on this CPU under the Triton interpreter."""
         from portlayer.backends.registry import backend_class, get_backend
-        from portlayer.loaded import open_artifact
+        from portlayer.runtime.loaded import open_artifact
 
         loaded = open_artifact(path, emulate=emulate, interpret=interpret)
         exe = loaded.executable()

@@ -75,7 +75,7 @@ def _qwen3(layers: int):
 
 def test_deeper_model_program_differs_only_in_the_layer_count():
     """Identical layers: one method and a loop; a 2- and a 5-layer program differ only in the count
-    (docs/codegen.md: the 28-layer program, measured by the same script, stays under 500 lines)."""
+    (docs/architecture.md: the 28-layer program, measured, stays under 500 lines)."""
     two, _ = _gen(_qwen3(2), "nvidia-h200")
     deep, _ = _gen(_qwen3(5), "nvidia-h200")
     changed = [ln for ln in difflib.unified_diff(two.host.splitlines(), deep.host.splitlines(), lineterm="", n=0)
