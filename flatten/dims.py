@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
+from portlayer.errors import PortlayerError
+
 MAX_LENGTH = 1000
 MAX_DEPTH = 64
 MAX_POWER_NESTING = 3
@@ -47,7 +49,7 @@ _TOKEN = re.compile(r"(?:(?P<int>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//
 Tree = tuple  # ("int", n) | ("sym", name) | (op, a, b) | ("neg", a) | ("pow", a, n) | ("call", f, args)
 
 
-class DimError(ValueError):
+class DimError(PortlayerError, ValueError):
     """A dimension string is not in the dim grammar, or cannot be evaluated (the message names it)."""
 
 

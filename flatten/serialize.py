@@ -98,7 +98,9 @@ def structure_problem(d: dict[str, Any]) -> str | None:
         return None
 
     for key in ("inputs", "params", "nodes", "outputs"):
-        if not isinstance(d.get(key), list):
+        if key not in d:
+            return f"missing key {key!r}"
+        if not isinstance(d[key], list):
             return f"'{key}' must be a list"
     if not isinstance(d.get("meta", {}), dict):
         return "'meta' must be an object"

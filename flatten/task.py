@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from portlayer.errors import PortlayerError
+
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
-class TaskInferenceError(ValueError):
+class TaskInferenceError(PortlayerError, ValueError):
     """The config does not say whether the model is a causal LM or an encoder."""
 
 

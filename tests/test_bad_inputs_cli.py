@@ -212,10 +212,10 @@ def test_compile_output_over_a_foreign_dir_keeps_it(env, capsys, tmp_path: Path)
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["compile", "no-such-model", "--no-progress"], "neither a local directory nor a built-in example"),
+    (["compile", "no-such-model", "--no-progress"], "is neither a local directory, a built-in example"),
     (["validate", "/nonexistent/art"], "no such artifact directory"),
     (["bench", "/nonexistent/art"], "no such artifact directory"),
-    (["run", "/nonexistent/art", "--prompt-ids", "1"], "neither a local directory nor a built-in example"),
+    (["run", "/nonexistent/art", "--prompt-ids", "1"], "is neither a local directory, a built-in example"),
 ])  # fmt: skip
 def test_missing_inputs_are_one_message(env, capsys, args: list[str], pattern: str) -> None:
     assert pattern in user_error(capsys, *args)

@@ -58,7 +58,7 @@ def test_user_errors_exit_2_with_one_message(env, graph_dir: Path, tmp_path: Pat
     assert main(["compile", str(graph_dir), "--target", "cpu-x86_64", "--dtype", "float8", "--no-progress"]) == 2
     assert "--dtype 'float8' is not supported" in capsys.readouterr().err
     assert main(["compile", "no-such-model", "--no-progress"]) == 2
-    assert "neither a local directory nor a built-in" in capsys.readouterr().err
+    assert "is neither a local directory, a built-in example" in capsys.readouterr().err
     assert main(["compile", str(graph_dir), "--target", "no-such-device", "--no-progress"]) == 2
     assert "no shipped descriptor named 'no-such-device'" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "missing")]) == 2
