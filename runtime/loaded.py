@@ -115,8 +115,9 @@ class LoadedArtifact:
 
         doc, cases = self.validation_cases()
         exe = executable or self.executable()
+        mode = _plan_value(self.plan, "weight_quantization", "none") or "none"
         return validate(exe, self.graph, cases, int(doc.get("kv_block_size") or 16), doc.get("output_names", []),
-                        quantization=_plan_value(self.plan, "weight_quantization", "none") or "none")
+                        quantization=mode, exact_reference=doc.get("reference") == "quantized graph")
 
     def tokenizer(self) -> Any:
         """The model's tokenizer from the artifact (None when the model had no tokenizer files).
