@@ -1,8 +1,8 @@
 """Cross-compiled Triton artifacts checked on this CPU: tiny Qwen3 and tiny Llama compiled for
-nvidia-h200, amd-mi300x and intel-arc-a770 (float32; no quantization, int8, int4) through
-`portlayer compile`, then `portlayer validate ART --interpret` (the generated host program and
-kernels, run by the Triton interpreter) and, unquantized, 16 greedy tokens through
-`portlayer run --interpret` equal to HF generate."""
+nvidia-h200, amd-mi300x and intel-arc-a770 (float32; no quantization, int8, int4), validated under
+the Triton interpreter (the generated host program and kernels, CUDA graphs off) and, unquantized,
+16 greedy tokens through the paged engine equal to HF generate. One artifact also goes through the
+CLI verbs `portlayer validate --interpret` and `portlayer run --interpret` in a fresh process."""
 
 from __future__ import annotations
 
@@ -20,13 +20,6 @@ MODELS = ["tiny-qwen3", "tiny-llama"]
 PROMPT = [5, 17, 42, 99, 3]
 
 
-def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # --interpret sets it itself, before triton is imported
-    return subprocess.run([sys.executable, "-m", "portlayer.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_dirs):
     from conftest import hf_model
@@ -41,22 +34,52 @@ def hf_greedy(tiny_dirs):
     return out
 
 
+def _compile(tiny_dirs, tmp_path, model, target, quantize):
+    import portlayer
+
+    art = tmp_path / f"art-{model}-{target}-{quantize}"
+    portlayer.compile(str(tiny_dirs[model]), target=target, output=art, dtype="float32", quantize=quantize,
+                      progress=False)
+    return art
+
+
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("model", MODELS)
 def test_cross_compiled_artifact_validates_under_the_interpreter(tiny_dirs, tmp_path, hf_greedy, model, target,
-                                                                 quantize):
-    art = tmp_path / "art"
-    done = _cli("compile", str(tiny_dirs[model]), "--target", target, "--dtype", "float32", "--quantize", quantize,
-                "-o", str(art), "--no-progress")
-    assert done.returncode == 0, done.stderr[-2000:]
+                                                                 quantize, monkeypatch):
+    from triton_harness import use_interpreter
+
+    from portlayer.runtime.loaded import open_artifact
+    from portlayer.runtime.sequence import SamplingParams
+
+    use_interpreter(monkeypatch)
+    art = _compile(tiny_dirs, tmp_path, model, target, quantize)
     kernels = json.loads((art / "kernels.json").read_text())["kernels"]
-    if quantize != "none":
+    if quantize != "none":  # the quantized GEMM is the generated Triton kernel, never torch.mm
         assert any(name.startswith(f"gemm_w{4 if quantize == 'int4' else 8}") for name in kernels), sorted(kernels)
-    v = _cli("validate", str(art), "--interpret")
-    assert v.returncode == 0 and "PASSED" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+    loaded = open_artifact(art, interpret=True)
+    report = loaded.validate()
+    assert report.ok, report.format_table()
     if quantize == "none":
-        r = _cli("run", str(art), "--interpret", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "16",
-                 "--ignore-eos", "--json")
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy[model]
+        out = loaded.engine().generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+        assert list(out.token_ids) == hf_greedy[model]
+
+
+def test_cli_validate_and_run_interpret(tiny_dirs, tmp_path, hf_greedy):
+    art = _compile(tiny_dirs, tmp_path, "tiny-qwen3", "amd-mi300x", "none")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # --interpret sets it itself, before triton is imported
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "portlayer.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=600)
+
+    v = cli("validate", str(art), "--interpret")
+    assert v.returncode == 0 and "PASSED" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+    r = cli("run", str(art), "--interpret", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "16",
+            "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy["tiny-qwen3"]
+    refused = cli("validate", str(art))  # without --interpret: the device check refuses, exit 2, no traceback
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
