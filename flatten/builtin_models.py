@@ -149,7 +149,7 @@ def resolve_model(spec: str) -> Path:
     if cached is not None:
         return cached
     raise ModelNotFoundError(
-        f"model {spec!r} is neither a local directory nor a built-in example, and not a model id in the local "
+        f"model {spec!r} is neither a local directory, a built-in example nor a model id in the local "
         f"Hugging Face cache ({hf_hub_cache()}; set HF_HUB_CACHE or HF_HOME to look elsewhere). "
         f"Built-ins: {', '.join(builtin_names())}. Nothing is downloaded: pass a local HF directory, or fetch the "
         f"model first (e.g. `huggingface-cli download {spec}`)."
