@@ -213,6 +213,9 @@ def emit_rms_norm(g: CannState, n: Node, group: KernelGroup) -> None:
     """npu_rms_norm(x, gamma, eps) -> (y, rstd) (§1)."""
     g.call("npu_rms_norm")
     g.emit(f"{n.outputs[0].name}, _ = npu.npu_rms_norm({n.inputs[0]}, {_gamma(g, n)}, {n.attrs.get('eps', 1e-6)!r})  # (y, rstd) §1")
+    want, x = n.outputs[0].type.dtype, g.types[n.inputs[0]].dtype
+    if want != x:  # the call returns x's dtype; the IR promotes with gamma's (a float32 gamma on bf16 x)
+        g.emit(f"{n.outputs[0].name} = {n.outputs[0].name}.to(torch.{want})")
 
 
 def emit_add_rms_norm(g: CannState, n: Node, group: KernelGroup) -> None:
