@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portlayer.codegen.kernels.context import GenContext, host_dim
-from portlayer.codegen.layers import Block, fold_layers, module_layer
+from portlayer.codegen.layers import Block, fold_layers, module_layer, straight_line
 from portlayer.codegen.lowering import GroupCode, KernelGroup, Unlowerable, resolve_group
 from portlayer.codegen.render import render
 from portlayer.codegen.spec import KernelSpec
@@ -123,11 +123,8 @@ def generate_program(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: 
     out = GeneratedProgram(host="")
     buffered = set(table.get("buffers", {}))
     blocks = _group_blocks(graph, ctx, lower, view_lower, buffered, out)
-    prog = fold_layers(blocks, list(graph.outputs), buffered, set(graph.params)) if fold else None
-    if prog is None:
-        from portlayer.codegen.layers import Program, _inline
-
-        prog = Program(_inline(blocks, {}), [], list(graph.outputs))
+    prog = (fold_layers(blocks, list(graph.outputs), buffered, set(graph.params)) if fold
+            else straight_line(blocks, list(graph.outputs)))
     out.layout = program_layout(graph, table, prog.methods)
     out.host = render(
         TEMPLATES[family], model=graph.meta.get("model_type", "model"), target=target, n_groups=len(blocks),

@@ -168,7 +168,7 @@ def fold_layers(blocks: Sequence[Block], graph_outputs: Sequence[str], buffered:
             continue
         if b.layer in spans:
             if spans[b.layer][1] != i - 1:
-                return Program(_inline(blocks, {}), [], list(graph_outputs))  # not contiguous: straight line
+                return straight_line(blocks, graph_outputs)  # a layer's groups are not contiguous
             spans[b.layer] = (spans[b.layer][0], i)
         else:
             spans[b.layer] = (i, i)
@@ -228,6 +228,11 @@ def fold_layers(blocks: Sequence[Block], graph_outputs: Sequence[str], buffered:
         rename.update(dict(zip(last_ret, loop_vars)))
     lines += _inline(blocks[cursor:], rename)
     return Program(lines, methods, [rename.get(o, o) for o in graph_outputs])
+
+
+def straight_line(blocks: Sequence[Block], graph_outputs: Sequence[str]) -> Program:
+    """The program without folding: every group's code in order."""
+    return Program(_inline(blocks, {}), [], list(graph_outputs))
 
 
 def _real_of(c: _Canon, local: str) -> str:

@@ -10,7 +10,7 @@ they reshape an output, so every lowering sees only the compute nodes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,10 +106,3 @@ def resolve_group(graph: Graph, record: Mapping[str, Any], nodes: Mapping[str, N
     return KernelGroup(record["name"], record.get("impl", "reference"), record.get("family", "torch"),
                        record.get("anchor") or (compute[0].name if compute else members[0].name), compute, inputs,
                        outputs, pre, post, list(record.get("scratch", [])), dict(record))
-
-
-def compute_outputs(group_nodes: Sequence[Node], graph: Graph, users: Mapping[str, list[Node]]) -> list[str]:
-    """Values of ``group_nodes`` read outside them (or graph outputs), in node order."""
-    names = {n.name for n in group_nodes}
-    return [v.name for n in group_nodes for v in n.outputs
-            if v.name in graph.outputs or any(u.name not in names for u in users.get(v.name, []))]

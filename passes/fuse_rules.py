@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from portlayer.backends.impls import find
+from portlayer.codegen.lowering import is_view
 from portlayer.flatten.ir import Graph, Node, TensorType
 from portlayer.flatten.ops import get_op
 
@@ -26,10 +27,6 @@ ROW_NORMS = {"rms_norm", "layer_norm", "softmax", "l2_normalize"}
 
 def kind(n: Node) -> str:
     return get_op(n.op).kind
-
-
-def is_view(n: Node) -> bool:
-    return kind(n) == "view"
 
 
 @dataclass
