@@ -22,6 +22,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the best device here)")
     p.add_argument("--base", default=None, help="shipped descriptor to start from (default: the one probe matched)")
     p.add_argument("-o", "--output", default=None, help="write the descriptor JSON here (default: stdout)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer points (about a minute)")
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser("explain", help="the Plan (dtype, KV blocks, launch configs, ...) with reasons")
@@ -54,9 +55,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from portlayer.capabilities.calibrate import calibrate
+    from portlayer.capabilities.calibrate import run_cli
 
-    desc = calibrate(args.device, base=args.base)
+    desc = run_cli(args.device, base=args.base, quick=getattr(args, "quick", False), extra=_calibration_extras())
     text = json.dumps(desc, indent=2) + "\n"
     if args.output:
         Path(args.output).write_text(text)
@@ -69,6 +70,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _calibration_extras() -> list:
+    """Benchmarks that need a generated kernel live in backends/ (capabilities cannot import it)."""
+    from portlayer.backends.calibration_runner import extras
+
+    return extras()
 
 
 #: config.json keys the analytic (no-capture) requirements need; other configs are captured instead
