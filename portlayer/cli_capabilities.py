@@ -34,6 +34,13 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
     p.add_argument("--gate", action="store_true",
                    help="capture, quantize and run the quality gate on a lossy pick, as compile does (docs/quantization.md)")
+    p.add_argument("--predict", action="store_true",
+                   help="capture, run the passes and print the cost model's ms/step and tok/s (docs/capabilities.md)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="with --predict: use this calibrated descriptor's curves instead of the target's numbers")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="with --predict: decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="with --predict: cached tokens per decoding sequence")
+    p.add_argument("--prefill-tokens", type=int, default=128, help="with --predict: tokens of the prefill step")
     p.set_defaults(func=cmd_explain)
 
 
@@ -143,6 +150,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         plan = negotiate(req, target, overrides, quality=_quality(args.model))
     print(plan.dumps() if args.json else plan.format_table())
+    if getattr(args, "predict", False):
+        from portlayer.cli_predict import explain_predict
+
+        print(explain_predict(args.model, target, overrides, args.calibration, args.batch, args.context,
+                              args.prefill_tokens))
     return 0
 
 

@@ -44,6 +44,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--context", type=int, default=128, help="cached tokens per sequence for decode steps")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--calibration", default=None, metavar="FILE",
+                   help="predict with this calibrated descriptor's curves (default: the artifact's descriptor)")
+    b.add_argument("--no-predict", action="store_true", help="skip the cost model's predicted column")
     b.set_defaults(func=run_bench)
 
     c = sub.add_parser("cache", help="list or clear the artifact cache")
@@ -138,6 +141,11 @@ def run_bench(args: argparse.Namespace) -> int:
     print_notes(loaded)
     r = bench(loaded, prefill_tokens=args.prefill_tokens, context=args.context, batch_sizes=args.batch, iters=args.iters)
     print(format_report(r))
+    if not getattr(args, "no_predict", False):
+        from portlayer.cli_predict import bench_predictions
+
+        text, r["predicted"] = bench_predictions(loaded, r, getattr(args, "calibration", None))
+        print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
         _say(f"wrote {args.json}")
