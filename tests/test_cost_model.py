@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from ir_samples import HEAD_DIM, KV_HEADS, tiny_decoder
+
 from portlayer.capabilities.descriptor import load_descriptor
 from portlayer.passes.cost_model import format_predictions, predict, predict_steps
 from portlayer.passes.cost_model_curves import Curves
