@@ -277,6 +277,11 @@ class _Negotiation:
                  f"one token's {r.num_kv_heads}x{hd} K and V per program / {scale}")  # fmt: skip
         self._gemm(smem, item, warps, scale)
         self._attention(smem, item, warps, scale, hd)
+        # launch configs measured on this device (capabilities/tuning.py); none: the defaults above
+        from portlayer.capabilities.tuning import apply_tuning, shape_key
+
+        self.out[:] = apply_tuning(self.out, d, shape_key(r, self.v["compute_dtype"]))
+        self.v.update({x.name: x.value for x in self.out})
 
     def _gemm(self, smem: int, item: float, warps: Any, scale: str) -> None:
         for bm, bn, bk in ((128, 128, 64), (128, 64, 64), (64, 64, 64), (64, 64, 32), (32, 32, 32)):
