@@ -182,3 +182,14 @@ def apply_tuning(decisions: list[Any], descriptor: Any, shape: str) -> list[Any]
                                 f"tuned: entry {fam}@{shape} of {tuning.path}: {e['time_us']:.4g} us vs the default "
                                 f"{e['default_config']} at {e['default_us']:.4g} us ({e['candidates']} candidates)"))
     return out
+
+
+def tuning_digest(descriptor: Any) -> str:
+    """A suffix for the compile cache key: '' without a tuning file, else the file's sha256 (a new tuning
+    result must not be answered by an artifact compiled with the old configs)."""
+    explicit = os.environ.get("PORTLAYER_TUNING")
+    p = Path(explicit) if explicit else default_path(descriptor.name, descriptor.sha256)
+    try:
+        return ":tuning-" + hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+    except OSError:
+        return ""

@@ -143,7 +143,9 @@ def compile(  # noqa: A001 - the public name users expect
         options["verify"] = False
     desc = resolve_target(target)
     src = _model_source(model)
-    key = cache.cache_key(src.sha256, desc.sha256, options)
+    from portlayer.capabilities.tuning import tuning_digest  # tuned launch configs change the artifact
+
+    key = cache.cache_key(src.sha256, desc.sha256 + tuning_digest(desc), options)
 
     def build(final: Path) -> Path:
         from portlayer.build import build_artifact

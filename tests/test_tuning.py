@@ -108,3 +108,41 @@ def test_entry_with_other_parameters_is_not_used(cache):
     _file(config={"num_warps": 4, "BLOCK": 64}).save(default_path(d.name, d.sha256))
     dec = negotiate(_req(), d).decision("launch.gemm")
     assert dec.value != {"num_warps": 4, "BLOCK": 64} and "the kernel takes" in dec.reason
+
+
+@pytest.mark.parametrize("target", ["nvidia-h200", "amd-mi300x", "nvidia-rtx4060-laptop"])
+def test_candidates_stay_inside_what_the_descriptor_allows(target):
+    from portlayer.capabilities.tuning_space import ITEMSIZE, candidates
+
+    d = load_descriptor(target)
+    plan = negotiate(_req(), d)
+    item = ITEMSIZE[plan.compute_dtype]
+    smem = d.compute_units.max_shared_memory_per_block_bytes or d.compute_units.shared_memory_per_unit_bytes
+    for dec in plan:
+        if not dec.name.startswith("launch.") or not dec.value:
+            continue
+        cands = candidates(dec.name.removeprefix("launch."), dec.value, d, plan.compute_dtype)
+        assert cands[0] == dec.value and 1 <= len(cands) <= 6
+        assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)  # no duplicates
+        for c in cands:
+            assert set(c) == set(dec.value)  # the kernel's parameters, no others
+            assert c["num_warps"] * d.warp_size <= min(1024, d.compute_units.max_threads_per_unit)
+            if dec.name == "launch.gemm" and c != dec.value:
+                assert c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item <= smem
+            if dec.name.startswith("launch.attention"):
+                assert c["BLOCK_N"] == dec.value["BLOCK_N"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
+            if dec.name in ("launch.reduction", "launch.embedding"):
+                assert c["BLOCK_N"] == dec.value["BLOCK_N"]  # a row kernel covers its whole row
+
+
+def test_cache_key_suffix_follows_the_tuning_file(cache):
+    from portlayer.capabilities.tuning import tuning_digest
+
+    d = load_descriptor("nvidia-h200")
+    assert tuning_digest(d) == ""  # no file: compile cache keys as before
+    p = _file().save(default_path(d.name, d.sha256))
+    first = tuning_digest(d)
+    f = _file()
+    f.put("reduction", "x", {"num_warps": 2}, 1.0, 2.0, {"num_warps": 4}, 2)
+    f.save(p)
+    assert first.startswith(":tuning-") and tuning_digest(d) != first
