@@ -1,17 +1,120 @@
 """Calibration benchmarks that need a generated kernel (capabilities/ cannot import backends/).
 
-`portlayer calibrate` passes ``extras()`` to ``capabilities.calibrate.calibrate``; each extra
-takes (device, sizes, progress) and returns entries merged into the measured results.
+`portlayer calibrate` passes ``extras(run_pipeline)`` to ``capabilities.calibrate.calibrate``; each
+extra takes (device, sizes, progress, base descriptor name) and returns entries merged into the
+measured results. The pipeline comes in as an argument because backends/ sits before passes/.
+
+The GEMM crossover: one ``linear`` of K = N = ``sizes.gemm_k`` compiled as the compiler compiles a
+model's, run with the generated Triton GEMM and with the vendor GEMM at each M of ``sizes.gemm_ms``,
+each step captured in a CUDA graph so device time is compared, not Python launch cost. The largest
+M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, the rule codegen follows.
 """
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
 from portlayer.capabilities.calibrate import Extra
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, sig
+from portlayer.capabilities.descriptor import load_descriptor
+from portlayer.flatten.ir import GraphBuilder, TensorType
+
+ALWAYS_TRITON = 1 << 30
 
 
-def extras() -> list[Extra]:
-    """The backend benchmarks for this installation (none yet on the torch family)."""
-    return []
+def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
+    """x[num_tokens, K] -> linear(W[N, K]): the graph whose program the crossover times."""
+    b = GraphBuilder()
+    x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
+    w = b.add_param("w", (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k**0.5).to(dtype))
+    b.graph.outputs = [b.add1("linear", [x, w, None], name="proj")]
+    b.graph.meta = {"architecture": "calibration-gemm"}
+    return b.graph
 
 
-__all__ = ["extras"]
+def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> tuple[float, str]:
+    """Microseconds per step: replayed from a CUDA graph where capture works, else eager (said so)."""
+    def step() -> Any:
+        return prog.run(feeds, None, None)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize(device)
+    how = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        fn = g.replay
+    except RuntimeError:
+        fn, how = step, "eager"
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters, how
+
+
+def crossover(points: list[dict[str, Any]]) -> int:
+    """Largest M of the leading run where the Triton GEMM is at least as fast as the vendor one (0: never)."""
+    best = 0
+    for p in points:
+        if p["triton_us"] > p["vendor_us"]:
+            break
+        best = p["m"]
+    return best
+
+
+def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
+                           base: str) -> dict[str, Any]:
+    from portlayer.backends.generate import generate
+    from portlayer.backends.triton_program import load_program
+    from portlayer.codegen.program import write_program
+
+    desc = load_descriptor(base)
+    progress.start(f"GEMM crossover (generated Triton vs vendor) M={list(sizes.gemm_ms)} K=N={sizes.gemm_k}")
+    if dev.type != "cuda" or desc.codegen != "triton":
+        progress.done(f"not measured: {desc.name} generates {desc.codegen!r} code; no generated GEMM to compare")
+        return {}
+    dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
+    graph = one_linear(sizes.gemm_k, sizes.gemm_k, dtype)
+    result = pipeline(graph, desc, overrides={"compute_dtype": str(dtype).removeprefix("torch."),
+                                              "weight_quantization": "none"})
+    times: dict[str, dict[int, float]] = {}
+    modes = set()
+    with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
+        for name, rule in (("triton", ALWAYS_TRITON), ("vendor", 0)):
+            out = Path(tmp) / name
+            write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=rule), out)
+            prog = load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+            times[name] = {}
+            with torch.inference_mode():
+                for m in sizes.gemm_ms:
+                    x = torch.randn(m, sizes.gemm_k, device=dev, dtype=dtype)
+                    us, how = _device_us(prog, {"x": x}, dev, sizes.iters)
+                    times[name][m] = us
+                    modes.add(how)
+    points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m])} for m in sizes.gemm_ms]
+    cross = crossover(points)
+    progress.done(f"Triton GEMM wins up to M={cross} ("
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g} us" for p in points)
+                  + f"; timed {'/'.join(sorted(modes))})")
+    return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
+                               "timing": sorted(modes)},
+            "triton_gemm_max_tokens": cross}
+
+
+def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
+    """The backend benchmarks; ``pipeline`` is passes.pipeline.run_pipeline (the CLI hands it in)."""
+    if pipeline is None:
+        return []
+    return [lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base)]

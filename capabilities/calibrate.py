@@ -56,7 +56,7 @@ __all__ = [
 SLOW_FRACTION = 1 / 8  # a dtype slower than this share of fp32 is emulated: listed as absent
 #: what calibrate measures; every other field of the descriptor is kept from the shipped one
 MEASURED = ("memory.bandwidth_gbps", "memory.capacity_gb", "launch_overhead_us", "compute_units.count")
-Extra = Callable[[torch.device, Sizes, Progress], dict[str, Any]]
+Extra = Callable[[torch.device, Sizes, Progress, str], dict[str, Any]]  # (device, sizes, progress, base name)
 
 
 def versions() -> dict[str, str]:
@@ -116,7 +116,7 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Extra] = ()) -> dict[str, Any]:
+def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Extra] = (), base: str = "") -> dict[str, Any]:
     """Run every benchmark; the raw results (no descriptor yet)."""
     sweep = measure_bandwidth_sweep(dev, sizes, progress)
     matmul = measure_matmuls(dev, sizes, progress)
@@ -130,7 +130,7 @@ def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Ext
     launch = measure_launches(dev, sizes, progress)
     out = {"sweep": sweep, "matmul": matmul, "gemm_curves": curves, "attention": attn, "launch": launch}
     for fn in extra:
-        out.update(fn(dev, sizes, progress))
+        out.update(fn(dev, sizes, progress, base))
     return out
 
 
@@ -143,7 +143,7 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
     progress = progress or Progress(enabled=False)
     base_name = _base_descriptor(dev, base)
     raw = load_descriptor(base_name).raw
-    results = measure(dev, sizes, progress, extra)
+    results = measure(dev, sizes, progress, extra, base_name)
     return finish(raw, base_name, dev, sizes, results, "quick" if quick else "full")
 
 

@@ -82,8 +82,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibration_extras() -> list:
     """Benchmarks that need a generated kernel live in backends/ (capabilities cannot import it)."""
     from portlayer.backends.calibration_runner import extras
+    from portlayer.passes.pipeline import run_pipeline
 
-    return extras()
+    return extras(run_pipeline)
 
 
 #: config.json keys the analytic (no-capture) requirements need; other configs are captured instead

@@ -132,5 +132,14 @@ def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, 
     lines = [ln for ln in err.splitlines() if ln.startswith("calibrate [")]
     assert any("bandwidth" in ln for ln in lines) and any("paged attention" in ln for ln in lines)
     assert any("launch latency (eager)" in ln for ln in lines) and "GB/s" in err
+    assert any("GEMM crossover" in ln and "not measured: cpu-x86_64 generates 'torch' code" in ln for ln in lines)
     assert load_descriptor(out).name == "cpu-x86_64-calibrated"
     assert json.loads(out.read_text())["calibration"]["mode"] == "quick"
+
+
+def test_crossover_is_the_leading_run_where_triton_wins():
+    from portlayer.backends.calibration_runner import crossover
+
+    pts = [{"m": m, "triton_us": t, "vendor_us": v} for m, t, v in ((1, 4.0, 6.0), (8, 5.0, 6.0), (32, 9.0, 7.0), (128, 5.0, 9.0))]
+    assert crossover(pts) == 8  # the win at 128 after a loss at 32 does not extend the run
+    assert crossover([{"m": 1, "triton_us": 7.0, "vendor_us": 6.0}]) == 0
