@@ -143,6 +143,8 @@ def find_tuning(descriptor_name: str, descriptor_sha256: str) -> tuple[TuningFil
     An explicit file that does not match raises; the default location holds only this key's file,
     so a mismatch there (a copied or edited file) is reported and the defaults are used."""
     explicit = os.environ.get("PORTLAYER_TUNING")
+    if explicit and not Path(explicit).exists():  # named but not written yet (`portlayer tune -o` will)
+        return None, f"no tuning file at PORTLAYER_TUNING={explicit}"
     if explicit:
         return load_tuning(explicit, descriptor_name, descriptor_sha256), f"tuning file {explicit}"
     p = default_path(descriptor_name, descriptor_sha256)
