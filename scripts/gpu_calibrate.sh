@@ -74,7 +74,7 @@ CAL=""
 [ -f "$OUT/cal1.json" ] && CAL="--calibration $OUT/cal1.json"
 if has predict; then
   compile_06b "$OUT/art-qwen3-0.6b"
-  echo "== bench Qwen3-0.6B shape (predicted with ${CAL:-the shipped descriptor's peaks})"
+  echo "== bench Qwen3-0.6B shape (predicted with ${CAL:-the shipped descriptor peaks})"
   timeout 240 $PY -m portlayer.cli bench "$OUT/art-qwen3-0.6b" --batch 1 16 64 --context 128 --prefill-tokens 128 \
     $CAL --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tail -12
   timeout 150 $PY -m portlayer.cli compile tiny-qwen3 --target "$TARGET" -o "$OUT/art-tiny" > "$OUT/compile-tiny.log" 2>&1
