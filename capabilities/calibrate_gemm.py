@@ -85,7 +85,7 @@ def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Pr
         fn = lambda x=x, out=out: torch.mm(x, w.t(), out=out)  # noqa: E731
         fn()
         sync(device)
-        t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 500), sizes.warmup, sizes.reps)
+        t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 200), sizes.warmup, sizes.reps, graphed=True)
         moved = (m * k + k * k + m * k) * w.element_size()
         rows.append({"m": m, "tflops": sig(2 * m * k * k / t / 1e12), "gbps": sig(moved / t / 1e9), "us": sig(t * 1e6)})
     progress.done(", ".join(f"M={r['m']} {r['tflops']:g} TFLOP/s" for r in rows))

@@ -75,12 +75,39 @@ def _once(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, reps: int = 1) -> float:
-    """Seconds per call, the median of ``reps`` runs of ``iters`` calls after ``warmup``."""
+def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, reps: int = 1,
+                  graphed: bool = False) -> float:
+    """Seconds per call, the median of ``reps`` runs of ``iters`` calls after ``warmup``.
+
+    ``graphed`` (CUDA): the ``iters`` calls are captured once into a CUDA graph and replayed, so a
+    small kernel's time is its device time, not the host's launch rate (a decode step replays a
+    graph too); where capture fails the calls run eagerly."""
     for _ in range(warmup):
         fn()
     sync(device)
+    if graphed and device.type == "cuda":
+        replay = _captured(fn, device, iters)
+        if replay is not None:
+            return statistics.median(_once(replay, device, 1) for _ in range(max(1, reps))) / iters
     return statistics.median(_once(fn, device, iters) for _ in range(max(1, reps)))
+
+
+def _captured(fn: Callable[[], Any], device: torch.device, iters: int) -> Callable[[], Any] | None:
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        sync(device)
+        return graph.replay
+    except RuntimeError:
+        return None
 
 
 def iters_for(fn: Callable[[], Any], device: torch.device, budget_s: float, cap: int) -> int:

@@ -176,8 +176,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     device_us = sum(g.us for g in groups)
     if torch_family:  # the host runs every op itself: times add
         total = device_us
-    elif graphs:  # one replay: the kernels back to back, each paying the in-graph launch gap
-        total = device_us + launches * per_launch
+    elif graphs:  # one replay: the kernels back to back; none is faster than an in-graph tiny kernel
+        total = sum(max(g.us, per_launch) for g in groups)
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
     return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs)

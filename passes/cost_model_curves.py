@@ -41,6 +41,15 @@ class Curves:
     gemm_k: int = 0
     attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps (torch-family fit)
     calibrated: bool = False
+    attention_points: tuple[Mapping[str, Any], ...] = ()
+
+    def ops_per_sequence(self) -> float | None:
+        """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
+        many sweep-sized ops one measured sequence cost (the median over the calibration points)."""
+        if not (self.sweep and self.attention_points):
+            return None
+        ks = sorted(p["us"] / p["batch"] / self.memory_us(p["kv_bytes"] / p["batch"]) for p in self.attention_points)
+        return ks[len(ks) // 2]
 
     @staticmethod
     def from_descriptor(raw: Mapping[str, Any]) -> Curves:
@@ -55,7 +64,7 @@ class Curves:
             launch_us=float(launch.get("eager_us") or raw.get("launch_overhead_us") or 5.0),
             graph_launch_us=launch.get("graph_us"), sweep=sweep, gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
             attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
-            calibrated=bool(sweep),
+            calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -90,7 +99,11 @@ class Curves:
     def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:
         """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs."""
         compute = flops / (self.peak_tflops(dtype) * 1e6)
+        k = self.ops_per_sequence() if torch_family else None
+        if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
+            return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute
         if torch_family and self.attention:
             a = self.attention
             return a["fixed_us"] + a["per_seq_us"] * batch + kv_bytes / (a["gbps"] * 1e3) + compute
-        return max(self.memory_us(kv_bytes), compute)
+        # the cache is read once per step: at the DRAM/HBM rate, not the cache-hot rate of a small sweep size
+        return max(self.memory_us(kv_bytes), kv_bytes / (self.bandwidth_gbps * 1e3), compute)

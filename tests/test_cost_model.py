@@ -71,11 +71,11 @@ def test_gemm_bytes_are_weights_plus_rows(cpu):
 
 
 def test_decode_kv_read_grows_with_context(gpu):
-    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    raw = synthetic("nvidia-h200", bandwidth=1.0)  # slow enough that the attention kernel is above the launch floor
     short = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=500)
     long = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=1500)
     kv_bytes = 4 * 1000 * KV_HEADS * 2 * HEAD_DIM * 2  # 1000 more tokens, k and v, bf16 cache
-    assert long.ms - short.ms == pytest.approx(kv_bytes / 1000.0 / 1e6, rel=1e-6)
+    assert long.ms - short.ms == pytest.approx(kv_bytes / 1.0 / 1e6, rel=1e-6)
 
 
 def test_graph_replay_only_for_captured_decode_batches(gpu, cpu):
@@ -119,3 +119,14 @@ def test_graph_without_kernels_is_refused(cpu):
     g = tiny_decoder()
     with pytest.raises(ValueError, match="run the pass pipeline"):
         predict(g, cpu.plan, synthetic("cpu-x86_64"))
+
+
+def test_torch_attention_scales_per_sequence_through_the_sweep():
+    raw = synthetic("cpu-x86_64")
+    sweep = [{"bytes": 4096, "copy_gbps": 0.4}, {"bytes": 2**20, "copy_gbps": 20.0}, {"bytes": 2**26, "copy_gbps": 5.0}]
+    base = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep}})
+    pts = [{"batch": b, "kv_bytes": b * n, "us": b * 3.0 * base.memory_us(n)} for b, n in ((1, 8192), (8, 8192), (2, 2**19))]
+    c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep, "attention": {"points": pts}}})
+    assert c.ops_per_sequence() == pytest.approx(3.0)
+    t = c.attention_us(batch=5, kv_bytes=5 * 50_000, flops=0, dtype="float32", torch_family=True)
+    assert t == pytest.approx(5 * 3.0 * base.memory_us(50_000))
