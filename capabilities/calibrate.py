@@ -125,10 +125,13 @@ def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Ext
     fast = {k: v for k, v in matmul.items() if v >= matmul["fp32"] * SLOW_FRACTION}
     wanted = ("fp32",) if dev.type == "cpu" else ("bf16", "fp16")  # the compute dtypes the policy picks there
     curves = {k: measure_small_m(dev, k, sizes, progress) for k in wanted if k in fast}
+    small_k = max(64, sizes.gemm_k // 8)
+    small = {k: measure_small_m(dev, k, sizes, progress, small_k) for k in curves}
     compute = next(iter(curves), "fp32")
     attn = measure_paged_attention(dev, sizes, progress, TORCH_DTYPES[compute])
     launch = measure_launches(dev, sizes, progress)
-    out = {"sweep": sweep, "matmul": matmul, "gemm_curves": curves, "attention": attn, "launch": launch}
+    out = {"sweep": sweep, "matmul": matmul, "gemm_curves": curves, "attention": attn, "launch": launch,
+           "gemm_curves_small": small, "gemm_small_k": small_k}
     for fn in extra:
         out.update(fn(dev, sizes, progress, base))
     return out
@@ -178,6 +181,7 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "cache_knee_bytes": cache_knee(results["sweep"]),
             "launch_us": {k: (sig(v) if v is not None else None) for k, v in launch.items()},
             "gemm_curves": results["gemm_curves"], "gemm_k": sizes.gemm_k, "attention": results["attention"],
+            "gemm_curves_small": results.get("gemm_curves_small", {}), "gemm_small_k": results.get("gemm_small_k"),
             "torch": vers["torch"],
         },  # fmt: skip
     }

@@ -73,9 +73,11 @@ def measure_matmuls(device: torch.device, sizes: Sizes, progress: Progress) -> d
     return out
 
 
-def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress) -> list[dict[str, Any]]:
-    """The vendor GEMM as the compiled program calls it (torch.mm(x, W.t(), out=...)) at M rows x K=N=gemm_k."""
-    k = sizes.gemm_k
+def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress,
+                    k: int | None = None) -> list[dict[str, Any]]:
+    """The vendor GEMM as the compiled program calls it (torch.mm(x, W.t(), out=...)) at M rows x K=N=k
+    (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its size)."""
+    k = k or sizes.gemm_k
     w = torch.randn(k, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
     rows = []
     progress.start(f"decode GEMM curve {dtype} M={list(sizes.gemm_ms)} K=N={k}")

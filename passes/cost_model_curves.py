@@ -28,6 +28,12 @@ def interp_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     return ys[-1]
 
 
+def _at(curve: Sequence[tuple[int, float]], m: int) -> float:
+    """Microseconds at M rows from a (M, us) curve: log-interpolated, linear in M past its end (compute-bound)."""
+    ms, us = [c[0] for c in curve], [c[1] for c in curve]
+    return us[-1] * m / ms[-1] if m > ms[-1] else interp_log(m, ms, us)
+
+
 @dataclass(frozen=True)
 class Curves:
     """What the device sustains; every time in microseconds."""
@@ -42,6 +48,8 @@ class Curves:
     attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps (torch-family fit)
     calibrated: bool = False
     attention_points: tuple[Mapping[str, Any], ...] = ()
+    gemm_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same curve at a small K = N
+    gemm_small_k: int = 0
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -57,6 +65,8 @@ class Curves:
         sweep = tuple((int(r["bytes"]), float(r["copy_gbps"])) for r in cal.get("bandwidth_sweep", ()))
         gemm = {k: tuple((int(r["m"]), float(r["us"])) for r in rows)
                 for k, rows in (cal.get("gemm_curves") or {}).items() if rows}  # fmt: skip
+        small = {k: tuple((int(r["m"]), float(r["us"])) for r in rows)
+                 for k, rows in (cal.get("gemm_curves_small") or {}).items() if rows}  # fmt: skip
         launch = cal.get("launch_us") or {}
         attn = cal.get("attention") or {}
         return Curves(
@@ -64,7 +74,8 @@ class Curves:
             launch_us=float(launch.get("eager_us") or raw.get("launch_overhead_us") or 5.0),
             graph_launch_us=launch.get("graph_us"), sweep=sweep, gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
             attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
-            calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()),
+            calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
+            gemm_small_k=int(cal.get("gemm_small_k") or 0),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -91,9 +102,14 @@ class Curves:
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:
             return max(flops / (self.peak_tflops(dtype) * 1e6), floor)
-        ms, us = [c[0] for c in curve], [c[1] for c in curve]
-        at = us[-1] * m / ms[-1] if m > ms[-1] else interp_log(m, ms, us)  # beyond the curve: compute-bound, linear
-        base = min(self.floor_us(), us[0] * 0.5)
+        at = _at(curve, m)
+        small = self.gemm_small.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm_small else None
+        if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
+            lo, k0 = _at(small, m), self.gemm_small_k
+            per = max(0.0, (at - lo) / (self.gemm_k**2 - k0**2))
+            fixed = max(0.0, lo - per * k0**2)
+            return max(fixed + per * k * n, floor)
+        base = min(self.floor_us(), curve[0][1] * 0.5)
         return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
 
     def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:

@@ -130,3 +130,14 @@ def test_torch_attention_scales_per_sequence_through_the_sweep():
     assert c.ops_per_sequence() == pytest.approx(3.0)
     t = c.attention_us(batch=5, kv_bytes=5 * 50_000, flops=0, dtype="float32", torch_family=True)
     assert t == pytest.approx(5 * 3.0 * base.memory_us(50_000))
+
+
+def test_gemm_splits_fixed_and_proportional_cost_from_two_sizes():
+    raw = synthetic("cpu-x86_64", bandwidth=1e9)
+    # synthetic device: a GEMM costs 50 us + 1e-4 us per weight element at M = 1
+    cal = {"gemm_k": 1024, "gemm_small_k": 128,
+           "gemm_curves": {"fp32": [{"m": 1, "us": 50 + 1e-4 * 1024**2}]},
+           "gemm_curves_small": {"fp32": [{"m": 1, "us": 50 + 1e-4 * 128**2}]}}  # fmt: skip
+    c = Curves.from_descriptor({**raw, "calibration": cal})
+    assert c.gemm_us(1, 64, 128, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 64 * 128)
+    assert c.gemm_us(1, 4096, 4096, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 4096**2)
