@@ -61,12 +61,13 @@ Extra = Callable[[torch.device, Sizes, Progress, str], dict[str, Any]]  # (devic
 
 def versions() -> dict[str, str]:
     """The toolchain the numbers hold for (a new torch or Triton can change every one)."""
-    out = {"torch": torch.__version__, "python": platform.python_version()}
-    for pkg in ("triton", "portlayer"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "absent"
+    from portlayer import __version__
+
+    out = {"torch": torch.__version__, "python": platform.python_version(), "portlayer": __version__}
+    try:
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        out["triton"] = "absent"
     return out
 
 
