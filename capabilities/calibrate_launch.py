@@ -58,10 +58,44 @@ def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200)
     return best / (reps * kernels) * 1e6
 
 
+def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
+    """Microseconds per graph node the torch codegen family runs: an op's reference implementation
+    (what its host program calls per node, several torch calls each) on one-token tensors."""
+    from portlayer.flatten.ops import get_op
+
+    h = 64
+    x, w = torch.randn(1, h, device=device), torch.randn(h, h, device=device)
+    calls = [(get_op("rms_norm"), [x, torch.ones(h, device=device)], {"eps": 1e-6}),
+             (get_op("add"), [x, x], {}), (get_op("silu"), [x], {}), (get_op("mul"), [x, x], {}),
+             (get_op("linear"), [x, w, None], {})]  # fmt: skip
+    calls = [(op, ins, op.complete_attrs(a)) for op, ins, a in calls]
+
+    def run() -> None:
+        for op, ins, attrs in calls:
+            op.reference(ins, attrs)
+
+    n = max(1, sizes.launches // 20)
+    with torch.inference_mode():
+        for _ in range(10):
+            run()
+        sync(device)
+        best = float("inf")
+        for _ in range(max(1, sizes.reps)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+    return best / (n * len(calls)) * 1e6
+
+
 def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> dict[str, float | None]:
     progress.start("launch latency (eager)")
     eager = measure_launch_latency(device, sizes)
     progress.done(f"{eager:.3g} us per tiny op")
+    progress.start("torch-family node (an op's reference implementation on one token)")
+    ref = measure_reference_op(device, sizes)
+    progress.done(f"{ref:.3g} us per node")
     progress.start("launch latency (replayed graph)")
     try:
         graph = measure_graph_launch(device, sizes)
@@ -70,4 +104,4 @@ def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> 
         progress.done(f"not measured: {str(e)[:120]}")
     else:
         progress.done("not measured: this device has no graphs" if graph is None else f"{graph:.3g} us per kernel")
-    return {"eager_us": eager, "graph_us": graph}
+    return {"eager_us": eager, "graph_us": graph, "reference_op_us": ref}

@@ -103,7 +103,8 @@ def _gemm(nodes: list[Node], graph: Graph, types: Mapping[str, TensorType], b: M
 
 
 def _attention(nodes: list[Node], types: Mapping[str, TensorType], phase: str, batch: int, context: int,
-               tokens: int) -> tuple[int, int, str] | None:
+               tokens: int) -> tuple[int, int, str, int] | None:
+    """(KV bytes read, FLOPs, cache dtype, float32 score bytes a torch-op implementation materialises)."""
     for n in nodes:
         if n.op != "attention":
             continue
@@ -114,11 +115,13 @@ def _attention(nodes: list[Node], types: Mapping[str, TensorType], phase: str, b
         if phase == "decode":
             kv = batch * (context + 1) * hkv * (dk + dv) * item
             flops = 2 * batch * (context + 1) * hq * (dk + dv)
+            scores = batch * hq * (context + 1) * 4
         else:
             kv = 2 * tokens * hkv * (dk + dv) * item  # written once, read back by the kernel
             span = (tokens + 1) / 2 if n.attrs.get("causal", True) else tokens
             flops = int(2 * tokens * span * hq * (dk + dv))
-        return kv, flops, k.dtype
+            scores = hq * tokens * tokens * 4
+        return kv, flops, k.dtype, scores
     return None
 
 
@@ -147,6 +150,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     sizes = _plan_value(plan, "graph_capture_sizes", []) or []
     graphs = phase == "decode" and not torch_family and any(int(s) >= batch for s in sizes)
     per_launch = (curves.graph_launch_us if curves.graph_launch_us is not None else 1.0) if graphs else curves.launch_us
+    if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
+        per_launch = curves.node_us
     groups, launches, host_us = [], 0, 0.0
     for rec in kernels:
         members = [by_name[n] for n in rec["nodes"] if n in by_name]
@@ -159,8 +164,9 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         attn = _attention(compute, types, phase, batch, context, new_tokens)
         gemm = _gemm(compute, graph, types, b)
         if attn is not None:
-            kv, aflops, kv_dtype = attn
-            dev_us = curves.attention_us(batch, kv, aflops, dtype, torch_family) + curves.memory_us(nbytes)
+            kv, aflops, kv_dtype, scores = attn
+            work = max(kv, scores) if torch_family else kv  # torch ops write the [heads, q, k] scores; a fused kernel does not
+            dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family) + curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
         elif gemm is not None:
             dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype)

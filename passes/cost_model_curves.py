@@ -50,6 +50,7 @@ class Curves:
     attention_points: tuple[Mapping[str, Any], ...] = ()
     gemm_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same curve at a small K = N
     gemm_small_k: int = 0
+    node_us: float | None = None  # torch family: host cost of one node (its reference implementation)
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -75,7 +76,7 @@ class Curves:
             graph_launch_us=launch.get("graph_us"), sweep=sweep, gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
             attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
-            gemm_small_k=int(cal.get("gemm_small_k") or 0),
+            gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:

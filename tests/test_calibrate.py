@@ -57,6 +57,7 @@ def test_curves_are_recorded(cpu_calibrated):
     assert attn["points"][0]["kv_bytes"] == 2 * 1 * 33 * 2 * 16 * 4  # k and v, context + new token, fp32
     assert attn["gbps"] > 0
     assert cal["launch_us"]["eager_us"] > 0 and cal["launch_us"]["graph_us"] is None  # no graphs on a CPU
+    assert cal["launch_us"]["reference_op_us"] > 0
 
 
 def test_emulated_dtypes_are_listed_absent(cpu_calibrated):
