@@ -6,6 +6,7 @@ costs once the step is captured into a CUDA graph, is most of that step's time.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -19,14 +20,14 @@ def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
     for _ in range(100):
         x.add_(1)
     sync(device)
-    best = float("inf")
+    runs = []
     for _ in range(max(1, sizes.reps)):
         t0 = time.perf_counter()
         for _ in range(sizes.launches):
             x.add_(1)
         sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best / sizes.launches * 1e6
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / sizes.launches * 1e6
 
 
 def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200) -> float | None:
@@ -48,14 +49,14 @@ def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200)
         graph.replay()
     sync(device)
     reps = max(1, sizes.launches // kernels)
-    best = float("inf")
+    runs = []
     for _ in range(max(1, sizes.reps)):
         t0 = time.perf_counter()
         for _ in range(reps):
             graph.replay()
         sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best / (reps * kernels) * 1e6
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / (reps * kernels) * 1e6
 
 
 def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
@@ -79,14 +80,14 @@ def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
         for _ in range(10):
             run()
         sync(device)
-        best = float("inf")
+        runs = []
         for _ in range(max(1, sizes.reps)):
             t0 = time.perf_counter()
             for _ in range(n):
                 run()
             sync(device)
-            best = min(best, time.perf_counter() - t0)
-    return best / (n * len(calls)) * 1e6
+            runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / (n * len(calls)) * 1e6
 
 
 def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> dict[str, float | None]:
