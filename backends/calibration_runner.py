@@ -7,7 +7,8 @@ measured results. The pipeline comes in as an argument because backends/ sits be
 The GEMM crossover: one ``linear`` of K = N = ``sizes.gemm_k`` compiled as the compiler compiles a
 model's, run with the generated Triton GEMM and with the vendor GEMM at each M of ``sizes.gemm_ms``,
 each step captured in a CUDA graph so device time is compared, not Python launch cost. The largest
-M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, the rule codegen follows.
+M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, and the largest M up to which the
+few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules codegen follows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from portlayer.capabilities.descriptor import load_descriptor
 from portlayer.flatten.ir import GraphBuilder, TensorType
 
 ALWAYS_TRITON = 1 << 30
+GEMV_MAX_ROWS = 64  # the few-rows kernel is timed up to this M (it is a decode kernel)
 
 
 def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
@@ -91,26 +93,34 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                                               "weight_quantization": "none"})
     times: dict[str, dict[int, float]] = {}
     modes = set()
+    gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
+    paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
+             ("gemv", 0, ALWAYS_TRITON, gemv_ms))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
-        for name, rule in (("triton", ALWAYS_TRITON), ("vendor", 0)):
+        for name, gemm_rule, gemv_rule, ms in paths:
             out = Path(tmp) / name
-            write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=rule), out)
+            gen = generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
+                           gemv_max_tokens=gemv_rule)
+            write_program(gen, out)
             prog = load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
             times[name] = {}
             with torch.inference_mode():
-                for m in sizes.gemm_ms:
+                for m in ms:
                     x = torch.randn(m, sizes.gemm_k, device=dev, dtype=dtype)
                     us, how = _device_us(prog, {"x": x}, dev, sizes.iters)
                     times[name][m] = us
                     modes.add(how)
-    points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m])} for m in sizes.gemm_ms]
+    points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
+               **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
     cross = crossover(points)
-    progress.done(f"Triton GEMM wins up to M={cross} ("
-                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g} us" for p in points)
+    gemv = crossover([{"m": p["m"], "triton_us": p["gemv_us"], "vendor_us": min(p["vendor_us"], p["triton_us"])}
+                      for p in points if "gemv_us" in p])  # fmt: skip
+    progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv us: "
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
                   + f"; timed {'/'.join(sorted(modes))})")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
                                "timing": sorted(modes)},
-            "triton_gemm_max_tokens": cross}
+            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv}
 
 
 def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:

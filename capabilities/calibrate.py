@@ -200,9 +200,11 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
     if facts.get("memory_bytes"):
         patch["memory"]["capacity_gb"] = sig(facts["memory_bytes"] / 1e9)
         sources["memory.capacity_gb"] = f"{stamp}: total memory reported by the runtime"
-    if results.get("triton_gemm_max_tokens") is not None:
-        patch["tuning"] = {"triton_gemm_max_tokens": int(results["triton_gemm_max_tokens"])}
-        sources["tuning.triton_gemm_max_tokens"] = f"{stamp}: vendor GEMM vs generated Triton GEMM crossover in M"
+    for key, what in (("triton_gemm_max_tokens", "vendor GEMM vs generated Triton GEMM crossover in M"),
+                      ("gemv_max_tokens", "few-rows (gemv) kernel vs both GEMMs crossover in M")):
+        if results.get(key) is not None:
+            patch.setdefault("tuning", {})[key] = int(results[key])
+            sources[f"tuning.{key}"] = f"{stamp}: {what} (calibration.gemm_crossover)"
     if dev.type == "cpu":
         patch["features"] = sorted(set(raw["features"]) | set(_cpu_features()))
         sources["features"] = f"{stamp}: /proc/cpuinfo flags"
