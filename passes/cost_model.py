@@ -80,7 +80,7 @@ def _input_bytes(name: str, graph: Graph, types: Mapping[str, TensorType], out_b
 def _group_traffic(rec: Mapping[str, Any], nodes: list[Node], graph: Graph, types: Mapping[str, TensorType],
                    b: Mapping[str, int]) -> tuple[int, int]:
     out_bytes = sum(types[o].nbytes(b) for o in rec.get("outputs", []) if o in types)
-    weights = {n.inputs[1] for n in nodes if n.op in ("linear", "matmul") and len(n.inputs) > 1}  # read whole
+    weights = {i for n in nodes if n.op in ("linear", "matmul", "linear_wq") for i in n.inputs[1:] if i}  # read whole
     in_bytes = sum(_input_bytes(i, graph, types, out_bytes, b, weights) for i in rec.get("inputs", []) if i)
     flops = 0
     for n in nodes:
@@ -91,9 +91,11 @@ def _group_traffic(rec: Mapping[str, Any], nodes: list[Node], graph: Graph, type
 
 def _gemm(nodes: list[Node], graph: Graph, types: Mapping[str, TensorType], b: Mapping[str, int]) -> tuple[int, int, int] | None:
     for n in nodes:
-        if n.op in ("linear", "matmul") and len(n.inputs) > 1 and n.inputs[1] in types:
+        if n.op in ("linear", "matmul", "linear_wq") and len(n.inputs) > 1 and n.inputs[1] in types:
             w = types[n.inputs[1]]
-            if n.op == "linear":
+            if n.op == "linear_wq":  # packed integer weight [N, K * bits / 8]: K from the activation
+                nn, k = int(w.shape[0]), int(types[n.inputs[0]].shape[-1])
+            elif n.op == "linear":
                 nn, k = int(w.shape[0]), int(w.shape[-1])
             else:
                 k, nn = int(w.shape[-2]), int(w.shape[-1])
@@ -169,7 +171,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family) + curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
         elif gemm is not None:
-            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype)
+            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype,
+                                    path=_gemm_path(descriptor, rec, gemm[0], torch_family))
             bound = "compute" if flops / (curves.peak_tflops(dtype) * 1e6) > nbytes / (curves.bandwidth_gbps * 1e3) else "memory"
         else:
             dev_us, bound = curves.memory_us(nbytes), "memory"
@@ -187,6 +190,19 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
     return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs)
+
+
+def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool) -> str:
+    """Which GEMM codegen runs at M rows (codegen/gemm_rule.py's thresholds from the descriptor)."""
+    impl = rec.get("impl")
+    if torch_family or impl not in ("triton.gemm", "triton.gemm_wq"):
+        return "vendor"
+    tuning = descriptor.get("tuning") or {}
+    if m <= int(tuning.get("gemv_max_tokens", 0)):
+        return "gemv"
+    if impl == "triton.gemm_wq":  # weight-only quantized: always a generated kernel
+        return "triton"
+    return "triton" if m <= int(tuning.get("triton_gemm_max_tokens", 0)) else "vendor"
 
 
 def _plan_value(plan: Any, name: str, default: Any) -> Any:

@@ -51,6 +51,8 @@ class Curves:
     gemm_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same curve at a small K = N
     gemm_small_k: int = 0
     node_us: float | None = None  # torch family: host cost of one node (its reference implementation)
+    crossover: Mapping[str, tuple[tuple[int, float], ...]] = None  # path (triton, gemv) -> (M, us) at K = N = crossover_k
+    crossover_k: int = 0
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -68,6 +70,9 @@ class Curves:
                 for k, rows in (cal.get("gemm_curves") or {}).items() if rows}  # fmt: skip
         small = {k: tuple((int(r["m"]), float(r["us"])) for r in rows)
                  for k, rows in (cal.get("gemm_curves_small") or {}).items() if rows}  # fmt: skip
+        cross = cal.get("gemm_crossover") or {}
+        paths = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points", ()) if f"{path}_us" in p)
+                 for path in ("triton", "gemv", "vendor")}  # fmt: skip
         launch = cal.get("launch_us") or {}
         attn = cal.get("attention") or {}
         return Curves(
@@ -77,6 +82,7 @@ class Curves:
             attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
+            crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -97,9 +103,14 @@ class Curves:
     def floor_us(self) -> float:
         return self.memory_us(1.0) if self.sweep else 0.0
 
-    def gemm_us(self, m: int, k: int, n: int, flops: float, nbytes: float, dtype: str) -> float:
-        """One GEMM of M rows by a [N, K] weight: the calibrated small-M curve scaled by K*N, or the peaks."""
+    def gemm_us(self, m: int, k: int, n: int, flops: float, nbytes: float, dtype: str, path: str = "vendor") -> float:
+        """One GEMM of M rows by a [N, K] weight: the calibrated small-M curve scaled by K*N, or the peaks.
+
+        ``path`` triton / gemv: the generated kernels' crossover timings where calibration measured them."""
         floor = nbytes / (self.bandwidth_gbps * 1e3)
+        measured = (self.crossover or {}).get(path) if path != "vendor" else None
+        if measured and self.crossover_k:
+            return max(_at(measured, m) * (k * n) / self.crossover_k**2, floor)
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:
             return max(flops / (self.peak_tflops(dtype) * 1e6), floor)

@@ -141,3 +141,20 @@ def test_gemm_splits_fixed_and_proportional_cost_from_two_sizes():
     c = Curves.from_descriptor({**raw, "calibration": cal})
     assert c.gemm_us(1, 64, 128, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 64 * 128)
     assert c.gemm_us(1, 4096, 4096, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 4096**2)
+
+
+def test_generated_gemm_paths_use_their_crossover_timings():
+    raw = synthetic("nvidia-h200", bandwidth=1e9)
+    raw["tuning"] = {"gemv_max_tokens": 4, "triton_gemm_max_tokens": 0}
+    raw["calibration"] = {"gemm_crossover": {"k": 1024, "points": [
+        {"m": 1, "triton_us": 9.0, "vendor_us": 6.0, "gemv_us": 3.0},
+        {"m": 64, "triton_us": 12.0, "vendor_us": 10.0}]}}  # fmt: skip
+    c = Curves.from_descriptor(raw)
+    assert c.gemm_us(1, 1024, 1024, 0, 0, "bfloat16", path="gemv") == pytest.approx(3.0)
+    assert c.gemm_us(1, 2048, 1024, 0, 0, "bfloat16", path="triton") == pytest.approx(18.0)  # scaled by K*N
+    from portlayer.passes.cost_model import _gemm_path  # codegen/gemm_rule.py's thresholds
+
+    assert _gemm_path(raw, {"impl": "triton.gemm"}, 4, False) == "gemv"
+    assert _gemm_path(raw, {"impl": "triton.gemm"}, 8, False) == "vendor"  # triton_gemm_max_tokens 0
+    assert _gemm_path(raw, {"impl": "triton.gemm_wq"}, 8, False) == "triton"  # quantized: always generated
+    assert _gemm_path(raw, {"impl": "torch.linear"}, 1, True) == "vendor"
