@@ -14,6 +14,7 @@ few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from portlayer.capabilities.calibrate import Extra
 from portlayer.capabilities.calibrate_timing import Progress, Sizes, sig
 from portlayer.capabilities.descriptor import load_descriptor
 from portlayer.flatten.ir import GraphBuilder, TensorType
+from portlayer.flatten.op_defs.attention import AttentionMetadata
 
 ALWAYS_TRITON = 1 << 30
 GEMV_MAX_ROWS = 64  # the few-rows kernel is timed up to this M (it is a decode kernel)
@@ -40,9 +42,13 @@ def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
 
 
 def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> tuple[float, str]:
-    """Microseconds per step: replayed from a CUDA graph where capture works, else eager (said so)."""
+    """Microseconds per step: replayed from a CUDA graph where capture works, else eager (said so).
+
+    The step's metadata is built on the device before capture (a host-to-device copy cannot be captured)."""
+    md = AttentionMetadata.single(int(feeds["x"].shape[0]), device=device)
+
     def step() -> Any:
-        return prog.run(feeds, None, None)
+        return prog.run(feeds, md, None)
 
     for _ in range(3):
         step()
@@ -64,6 +70,19 @@ def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, 
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters, how
+
+
+def _host_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> float:
+    """Microseconds per eager step of a one-kernel program: what launching a generated kernel costs the host."""
+    md = AttentionMetadata.single(int(feeds["x"].shape[0]), device=device)
+    for _ in range(3):
+        prog.run(feeds, md, None)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        prog.run(feeds, md, None)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def crossover(points: list[dict[str, Any]]) -> int:
@@ -110,6 +129,8 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                     us, how = _device_us(prog, {"x": x}, dev, sizes.iters)
                     times[name][m] = us
                     modes.add(how)
+                if name == "triton":
+                    host = _host_us(prog, {"x": torch.randn(1, sizes.gemm_k, device=dev, dtype=dtype)}, dev, 200)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
     cross = crossover(points)
@@ -117,10 +138,10 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                       for p in points if "gemv_us" in p])  # fmt: skip
     progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv us: "
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
-                  + f"; timed {'/'.join(sorted(modes))})")
+                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
                                "timing": sorted(modes)},
-            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv}
+            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host)}
 
 
 def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:

@@ -154,6 +154,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     per_launch = (curves.graph_launch_us if curves.graph_launch_us is not None else 1.0) if graphs else curves.launch_us
     if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
         per_launch = curves.node_us
+    elif not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
+        per_launch = curves.generated_launch_us
     groups, launches, host_us = [], 0, 0.0
     for rec in kernels:
         members = [by_name[n] for n in rec["nodes"] if n in by_name]

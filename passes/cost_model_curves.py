@@ -53,6 +53,7 @@ class Curves:
     node_us: float | None = None  # torch family: host cost of one node (its reference implementation)
     crossover: Mapping[str, tuple[tuple[int, float], ...]] = None  # path (triton, gemv) -> (M, us) at K = N = crossover_k
     crossover_k: int = 0
+    generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -83,6 +84,7 @@ class Curves:
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
+            generated_launch_us=launch.get("triton_us"),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
