@@ -9,15 +9,22 @@ from portlayer.errors import UsageError
 
 
 def calibration_raw(path: str | None, fallback: dict[str, Any]) -> dict[str, Any]:
-    """The descriptor whose curves the prediction uses: a calibrated file when given, else the plan's target."""
+    """The descriptor whose curves the prediction uses: a calibrated file when given, else the plan's target.
+
+    With a file, its measured curves and peaks, with ``fallback``'s codegen and GEMM thresholds (the
+    compiled program follows those, whatever the calibration measured)."""
     if not path:
         return fallback
     from portlayer.capabilities.descriptor import load_descriptor
 
     try:
-        return dict(load_descriptor(Path(path)).raw)
+        raw = dict(load_descriptor(Path(path)).raw)
     except (OSError, ValueError) as e:
         raise UsageError(f"--calibration {path}: {str(e)[:300]}; pass a file written by `portlayer calibrate -o`") from None
+    # the program's code paths (GEMM thresholds, codegen family) are the compiled target's; only the curves are new
+    raw["codegen"] = fallback["codegen"]
+    raw["tuning"] = dict(fallback.get("tuning") or {})
+    return raw
 
 
 def explain_predict(model: str, target: Any, overrides: dict[str, Any], calibration: str | None,
