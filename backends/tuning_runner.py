@@ -10,6 +10,7 @@ capabilities/tuning.py file the next compile's Plan reads.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
@@ -98,6 +99,10 @@ class StepTimer:
         prog = load_program(out, self.graph.weights, str(self.device), self.plan)
         with torch.inference_mode():
             t = sum(_time(lambda s=s, p=prog: p.run(*s), self.device, self.iters) for s in (self.decode, self.prefill))
+        del prog  # its weights, buffers and captured graphs: one candidate's program on the device at a time
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return t
 
 
