@@ -180,15 +180,15 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             dev_us, bound = curves.memory_us(nbytes), "memory"
         launch_us = n_launch * per_launch
         host_us += launch_us
-        us = dev_us + launch_us if torch_family else dev_us
-        if us < launch_us:
+        us = dev_us + launch_us if torch_family else (max(dev_us, per_launch) if graphs else dev_us)
+        if dev_us < per_launch:
             bound = "launch"
         groups.append(GroupTime(rec["name"], rec.get("family", "?"), _layer_of(compute[0]), us, nbytes, flops, bound))
     device_us = sum(g.us for g in groups)
     if torch_family:  # the host runs every op itself: times add
         total = device_us
-    elif graphs:  # one replay: the kernels back to back; none is faster than an in-graph tiny kernel
-        total = sum(max(g.us, per_launch) for g in groups)
+    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above)
+        total = device_us
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
     return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs)
