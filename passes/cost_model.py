@@ -42,6 +42,7 @@ class StepPrediction:
     groups: list[GroupTime] = field(default_factory=list)
     launches: int = 0
     graphs: bool = False
+    host_ms: float = 0.0  # eager launches on an accelerator: host time queuing them (the step is the slower one)
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,7 +192,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         total = device_us
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
-    return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs)
+    host = host_us / 1e3 if not (torch_family or graphs) else 0.0
+    return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs, host)
 
 
 def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool) -> str:
@@ -228,13 +230,13 @@ def format_predictions(preds: Sequence[StepPrediction], detail: bool = True) -> 
     for p in preds:
         what = f"decode   batch {p.batch:>3}" if p.phase == "decode" else f"prefill {p.tokens:>5} tok"
         ctx = f"  (context {p.context})" if p.phase == "decode" else ""
-        mode = ", graph replay" if p.graphs else ""
+        mode = ", graph replay" if p.graphs else (", host-bound (launches)" if p.host_ms >= p.ms > 0 else "")
         lines.append(f"  {what}  {p.ms:9.3f} ms/step {p.tokens_per_s:11.1f} tok/s  {p.launches} launches{mode}{ctx}")
     if detail:
         for p in [q for q in preds if q.phase == "decode"][:1] + [q for q in preds if q.phase == "prefill"][:1]:
             head = f"decode batch {p.batch}" if p.phase == "decode" else f"prefill {p.tokens}"
             fam = ", ".join(f"{k} {v:.3g}" for k, v in sorted(p.by_family().items(), key=lambda kv: -kv[1]))
-            lines.append(f"  {head} per family (ms): {fam}")
+            lines.append(f"  {head} per family (ms{', device time' if p.host_ms >= p.ms > 0 else ''}): {fam}")
             layers = p.by_layer()
             per = [v for k, v in layers.items() if k != "other"]
             if per:
