@@ -3,7 +3,8 @@
 Small on purpose (a handful per family, the default first): warps scaled by the warp size and
 capped by threads per unit, pipeline stages within shared memory, GEMM tiles whose stages fit.
 Row kernels (norms, embedding, rope, KV write) keep their block sizes, which the kernel needs to
-cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N.
+cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N. The few-rows
+GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: 
             for s in (base["num_stages"], 1, 2, 3):
                 if s == base["num_stages"] or s * stage <= smem:
                     out.append({**base, "num_warps": w, "num_stages": s})
+    elif family == "gemv" and {"TILE", "PROGRAMS"} <= set(base):  # the kernel derives its blocks from these two
+        warps = _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)
+        for tile, programs in ((base["TILE"] // 2, base["PROGRAMS"]), (base["TILE"] * 2, base["PROGRAMS"]),
+                               (base["TILE"], base["PROGRAMS"] * 2), (base["TILE"], max(1, base["PROGRAMS"] // 2))):
+            out.append({**base, "TILE": tile, "PROGRAMS": programs})
+        out += [{**base, "num_warps": w} for w in warps]
     else:
         out += [{**base, "num_warps": w} for w in _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)]
     return _dedupe(out)[:limit]
