@@ -118,6 +118,8 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                 if d.name.startswith("launch.") and isinstance(d.value, dict) and d.value}  # fmt: skip
     used = {k.get("family") for k in graph.meta.get("kernels", [])} | {"attention_decode", "attention_prefill",
                                                                         "reshape_and_cache"}  # fmt: skip
+    if "gemm" in used:  # a GEMM group runs the few-rows kernel at decode sizes (codegen/gemm_rule.py)
+        used.add("gemv")
     fams = [f for f in (families or defaults) if f in defaults and (f in used or families)]
     with tempfile.TemporaryDirectory(prefix="portlayer-tune-") as tmp:
         timer = StepTimer(graph, plan, descriptor, device, batch, context, prefill, iters, Path(tmp))
