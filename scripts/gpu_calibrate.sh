@@ -90,7 +90,8 @@ if has tune; then  # autotune on the 0.6B shape, then a second compile that only
   compile_06b "$OUT/art-default"
   echo "== portlayer tune (decode batch 16 + prefill 128 per candidate)"
   t0=$SECONDS
-  timeout 330 $PY -m portlayer.cli tune "$OUT/art-default" --batch 16 -o "$PORTLAYER_TUNING" 2>&1 | tail -12
+  timeout 360 $PY -m portlayer.cli tune "$OUT/art-default" --batch 16 --candidates ${CANDIDATES:-4} \
+    --families ${FAMILIES:-gemm gemv attention_decode attention_prefill reduction} -o "$PORTLAYER_TUNING" 2>&1 | tail -12
   echo "   tune: $((SECONDS - t0)) s"
   compile_06b "$OUT/art-tuned"
   $PY - "$OUT/art-tuned/plan.json" <<'PYEOF'
