@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_calibrate.sh              # from the repo root; results under $OUT (default ./gpu-results/calibrate)
 #   STEPS=tune bash scripts/gpu_calibrate.sh   # second command: autotune the 0.6B artifact, recompile, bench both
+#                                              (artifacts and cal1.json stay in ./out/calibrate-art between commands)
 #   DEVICE=cpu TARGET=cpu-x86_64 LAYERS=2 VOCAB=512 bash scripts/gpu_calibrate.sh   # CPU smoke of the plumbing
 #
 # Prints: per calibrate run its wall time and one line per benchmark; the spread table; per model
@@ -16,6 +17,8 @@ source scripts/gpu_bootstrap.sh
 export OUT=${OUT:-$PWD/gpu-results/calibrate} PYTHONUNBUFFERED=1
 export PORTLAYER_CACHE=${PORTLAYER_CACHE:-$OUT/cache} TRANSFORMERS_OFFLINE=1
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-nvidia-h200} LAYERS=${LAYERS:-28} VOCAB=${VOCAB:-151936}
+ARTS=${ARTS:-$PWD/out/calibrate-art}  # artifacts kept between commands (out/ is git-ignored); CLEAN=1 removes them
+mkdir -p "$ARTS"
 PY=${PYTHON:-python} STEPS=${STEPS:-calibrate predict}
 mkdir -p "$OUT"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -71,38 +74,40 @@ PYEOF
 fi
 
 CAL=""
-[ -f "$OUT/cal1.json" ] && CAL="--calibration $OUT/cal1.json"
+[ -f "$OUT/cal1.json" ] && cp "$OUT/cal1.json" "$ARTS/cal1.json"  # a later STEPS=tune command predicts with it too
+[ -f "$ARTS/cal1.json" ] && CAL="--calibration $ARTS/cal1.json"
 if has predict; then
-  compile_06b "$OUT/art-qwen3-0.6b"
+  compile_06b "$ARTS/qwen3-0.6b"
   echo "== bench Qwen3-0.6B shape (predicted with ${CAL:-the shipped descriptor peaks})"
-  timeout 240 $PY -m portlayer.cli bench "$OUT/art-qwen3-0.6b" --batch 1 16 64 --context 128 --prefill-tokens 128 \
+  timeout 240 $PY -m portlayer.cli bench "$ARTS/qwen3-0.6b" --batch 1 16 64 --context 128 --prefill-tokens 128 \
     $CAL --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tail -12
-  timeout 150 $PY -m portlayer.cli compile tiny-qwen3 --target "$TARGET" -o "$OUT/art-tiny" > "$OUT/compile-tiny.log" 2>&1
+  timeout 150 $PY -m portlayer.cli compile tiny-qwen3 --target "$TARGET" -o "$ARTS/tiny" > "$OUT/compile-tiny.log" 2>&1
   echo "== compile tiny-qwen3: rc=$?"
   echo "== bench tiny-qwen3"
-  timeout 120 $PY -m portlayer.cli bench "$OUT/art-tiny" --batch 1 16 64 --context 128 --prefill-tokens 128 \
+  timeout 120 $PY -m portlayer.cli bench "$ARTS/tiny" --batch 1 16 64 --context 128 --prefill-tokens 128 \
     $CAL --json "$OUT/bench-tiny.json" 2>&1 | tail -12
 fi
 
 if has tune; then  # autotune on the 0.6B shape, then a second compile that only reads the tuning file
   export PORTLAYER_TUNING="$OUT/tuning.json"
   rm -f "$PORTLAYER_TUNING"
-  compile_06b "$OUT/art-default"
+  [ -f "$ARTS/qwen3-0.6b/manifest.json" ] || compile_06b "$ARTS/qwen3-0.6b"  # the default-config artifact
   echo "== portlayer tune (decode batch 16 + prefill 128 per candidate)"
   t0=$SECONDS
-  timeout 360 $PY -m portlayer.cli tune "$OUT/art-default" --batch 16 --candidates ${CANDIDATES:-4} \
+  timeout 360 $PY -m portlayer.cli tune "$ARTS/qwen3-0.6b" --batch 16 --iters 5 --candidates ${CANDIDATES:-4} \
     --families ${FAMILIES:-gemm gemv attention_decode attention_prefill reduction} -o "$PORTLAYER_TUNING" 2>&1 | tail -12
   echo "   tune: $((SECONDS - t0)) s"
-  compile_06b "$OUT/art-tuned"
-  $PY - "$OUT/art-tuned/plan.json" <<'PYEOF'
+  compile_06b "$ARTS/tuned"
+  $PY - "$ARTS/tuned/plan.json" <<'PYEOF'
 import json, sys
 for d in json.load(open(sys.argv[1]))["decisions"]:
     if d["name"].startswith("launch."):
         print(f"  {d['name']:<26} {json.dumps(d['value'])}  <- {d['reason'][:160]}")
 PYEOF
-  for art in default tuned; do
+  for art in qwen3-0.6b tuned; do
     echo "== bench $art"
-    timeout 150 $PY -m portlayer.cli bench "$OUT/art-$art" --batch 1 16 64 $CAL --json "$OUT/bench-$art.json" 2>&1 | tail -6
+    timeout 150 $PY -m portlayer.cli bench "$ARTS/$art" --batch 1 16 64 $CAL --json "$OUT/bench-$art.json" 2>&1 | tail -6
   done
 fi
-rm -rf "$OUT"/art-* "$OUT/cache"
+[ -n "${CLEAN:-}" ] && rm -rf "$ARTS"
+rm -rf "$OUT/cache"
