@@ -154,8 +154,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if getattr(args, "predict", False):
         from portlayer.cli_predict import explain_predict
 
-        print(explain_predict(args.model, target, overrides, args.calibration, args.batch, args.context,
-                              args.prefill_tokens))
+        text = explain_predict(args.model, target, overrides, args.calibration, args.batch, args.context,
+                               args.prefill_tokens)
+        print(text, file=sys.stderr if args.json else sys.stdout)  # --json keeps stdout one JSON document
     return 0
 
 
