@@ -92,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                     x = torch.randn(m, k, dtype=dtype, device=dev)
                     st = StepState.build(None, m, torch.device(dev), None)
                     prog.forward(m, m, {"x": x}, st, None)  # compile outside the capture
-                    ms = timer(lambda: prog.forward(m, m, {"x": x}, st, None))
+                    ms = timer(lambda prog=prog, m=m, x=x, st=st: prog.forward(m, m, {"x": x}, st, None))
                     wbytes = n * k * (2 if fmt == "bf16" else 1 if fmt == "int8" else 0.5)
                     row = {"weight": name, "n": n, "k": k, "format": fmt, "rows": m, "ms": round(ms, 4),
                            "gbps": round(wbytes / ms / 1e6, 1) if ms else None}
                     if fmt == "bf16":
-                        row["torch_mm_ms"] = round(timer(lambda: torch.mm(x, w.T)), 4)
+                        row["torch_mm_ms"] = round(timer(lambda x=x, w=w: torch.mm(x, w.T)), 4)
                     out.append(row)
                     print(json.dumps(row), flush=True)
     if args.json:
