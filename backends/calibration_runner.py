@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -144,8 +145,27 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host)}
 
 
+def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:
+    """Paged attention as a torch-codegen program runs it (codegen/torch_attention.py: one batched sdpa per
+    step), replacing the op-reference measurement capabilities/ can make on its own."""
+    if load_descriptor(base).codegen != "torch":
+        return {}
+    from portlayer.capabilities.calibrate_attention import measure_paged_attention
+    from portlayer.codegen.torch_attention import attention_batched
+
+    d = sizes.attn_heads[2]
+
+    def run(ins: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        st = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache)
+        return attention_batched(*ins, st, layer=0, scale=d**-0.5, causal=True, sliding_window=None)
+
+    return {"attention": measure_paged_attention(dev, sizes, progress, torch.float32, run=run,
+                                                 label="torch.sdpa, codegen/torch_attention.py")}
+
+
 def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
     """The backend benchmarks; ``pipeline`` is passes.pipeline.run_pipeline (the CLI hands it in)."""
-    if pipeline is None:
-        return []
-    return [lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base)]
+    out: list[Extra] = [measure_torch_attention]
+    if pipeline is not None:
+        out.append(lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base))
+    return out

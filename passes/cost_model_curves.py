@@ -54,6 +54,7 @@ class Curves:
     crossover: Mapping[str, tuple[tuple[int, float], ...]] = None  # path (triton, gemv) -> (M, us) at K = N = crossover_k
     crossover_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
+    attention_kernel: str | None = None  # what the attention calibration timed
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -84,7 +85,7 @@ class Curves:
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
-            generated_launch_us=launch.get("triton_us"),
+            generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -129,7 +130,8 @@ class Curves:
     def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:
         """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs."""
         compute = flops / (self.peak_tflops(dtype) * 1e6)
-        k = self.ops_per_sequence() if torch_family else None
+        batched = "sdpa" in str(self.attention_kernel or "")  # one call for the whole step: the fit's terms
+        k = self.ops_per_sequence() if torch_family and not batched else None
         if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
             return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute
         if torch_family and self.attention:

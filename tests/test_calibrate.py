@@ -133,6 +133,7 @@ def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, 
     lines = [ln for ln in err.splitlines() if ln.startswith("calibrate [")]
     assert any("bandwidth" in ln for ln in lines) and any("paged attention" in ln for ln in lines)
     assert any("launch latency (eager)" in ln for ln in lines) and "GB/s" in err
+    assert any("paged attention (torch.sdpa" in ln for ln in lines)  # what the CPU program runs (backends extra)
     assert any("GEMM crossover" in ln and "not measured: cpu-x86_64 generates 'torch' code" in ln for ln in lines)
     assert load_descriptor(out).name == "cpu-x86_64-calibrated"
     assert json.loads(out.read_text())["calibration"]["mode"] == "quick"

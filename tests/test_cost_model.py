@@ -158,3 +158,13 @@ def test_generated_gemm_paths_use_their_crossover_timings():
     assert _gemm_path(raw, {"impl": "triton.gemm"}, 8, False) == "vendor"  # triton_gemm_max_tokens 0
     assert _gemm_path(raw, {"impl": "triton.gemm_wq"}, 8, False) == "triton"  # quantized: always generated
     assert _gemm_path(raw, {"impl": "torch.linear"}, 1, True) == "vendor"
+
+
+def test_batched_sdpa_attention_uses_the_fit():
+    raw = synthetic("cpu-x86_64")
+    sweep = [{"bytes": 4096, "copy_gbps": 0.4}, {"bytes": 2**26, "copy_gbps": 5.0}]
+    attn = {"kernel": "torch.sdpa, codegen/torch_attention.py", "fixed_us": 30.0, "per_seq_us": 4.0, "gbps": 2.0,
+            "points": [{"batch": 1, "kv_bytes": 4096, "us": 50.0}]}  # fmt: skip
+    c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep, "attention": attn}})
+    t = c.attention_us(batch=8, kv_bytes=16_000, flops=0, dtype="float32", torch_family=True)
+    assert t == pytest.approx(30.0 + 8 * 4.0 + 16_000 / 2e3)
