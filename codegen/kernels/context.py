@@ -27,6 +27,7 @@ class GenContext:
     compute_units: int = 108
     triton_gemm_max_tokens: int = 0
     gemv_max_tokens: int = 0
+    gemv_max_weight_bytes: int = 0
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
 
