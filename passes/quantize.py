@@ -2,17 +2,19 @@
 
 Modes (``plan.weight_quantization``, or ``options['weight_quantization']``):
 
-- ``int8``: per output channel (group = K) by default, ``options['group_size']`` when given;
-  symmetric, GPTQ-calibrated, so a channel's few outlier columns are absorbed by error
-  feedback into the others instead of costing every other weight its resolution; the clip
-  search (passes/gptq.py) trims an extreme only when that lowers the channel's error.
+- ``int8``: groups of 32 input columns (``INT8_GROUP``; ``options['group_size']`` overrides it,
+  K = per output channel), asymmetric (scale + offset), round-to-nearest with the clip search
+  (passes/gptq.py). Why groups: one scale per 576-1536-wide row spends the int8 range on the
+  row's outlier columns, and on SmolLM2 that costs 3% top-1 (docs/quantization.md); a group of
+  32 confines an outlier to its group, and every shipped int8 kernel takes group 32.
 - ``int4``: groups of ``options['group_size']`` (default: the plan's ``quant_group_size``,
   else 128), asymmetric (scale + offset per group), GPTQ-calibrated on the built-in text
   passes/calib_text.txt through the model's own tokenizer.
 - ``native``: the linear weights a GGUF source shipped in block form (Q8_0/Q4_0/Q4_1 at group
   32, flatten/gguf_blocks.py) are used as they are; every other weight stays float.
 
-``options['quant_method'] = 'rtn'`` selects plain round-to-nearest (with the clip search).
+``options['quant_method']`` (``rtn`` or ``gptq``) overrides the method; ``options['symmetric']``
+the offsets.
 The LM head stays in float unless ``options['quantize_lm_head']``, as vLLM's GPTQ/AWQ loaders
 do: logits are the most sensitive output.
 """
@@ -31,14 +33,16 @@ from portlayer.passes.context import PassContext
 from portlayer.passes.util import all_names, fresh_name
 
 MODES = ("int8", "int4", "native")
+INT8_GROUP = 32  # the smallest group every linear_wq lowering takes (Triton: 16, CANN: 32)
+DEFAULT_METHOD = {8: "rtn", 4: "gptq"}
 
 
 def pick_group(k: int, bits: int, requested: int | None) -> int:
-    """Columns per group: int8 per channel unless asked; int4 ``requested`` (default 128), clipped
+    """Columns per group: ``requested`` (default: int8 INT8_GROUP, int4 128), clipped
     to K. linear_wq needs K % group == 0, so when K is not a multiple (SmolLM2's K = 576 at 128)
     the group halves down to 32 (576 -> 64); per channel only when no such group divides K."""
     if requested is None:
-        requested = k if bits == 8 else 128
+        requested = INT8_GROUP if bits == 8 else 128
     g = min(int(requested), k)
     while k % g and g > 32 and g % 2 == 0:
         g //= 2
@@ -54,7 +58,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[tor
     """
     from portlayer.passes.gptq import gptq, rtn
 
-    sym = (bits == 8) if symmetric is None else symmetric
+    sym = False if symmetric is None else symmetric
     q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym) if gram is not None else rtn(w, bits, group_size, sym)
     return (pack_int4(q) if bits == 4 else q), s, off
 
@@ -134,7 +138,8 @@ def quantize(graph: Graph, ctx: PassContext) -> Graph:
 
 
 def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int], bits: int) -> None:
-    method = ctx.options.get("quant_method", "gptq")
+    method = ctx.options.get("quant_method") or DEFAULT_METHOD[bits]
+    symmetric = ctx.options.get("symmetric")
     requested = ctx.options.get("group_size") or _plan_group(ctx, bits)
     grams: dict[str, Any] = {}
     how = "round-to-nearest"
@@ -161,7 +166,8 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
     with _single_thread():
         for (_, gs), idx in shared.items():
             ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
-            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, grams.get(g.nodes[idx[0]].name))
+            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, grams.get(g.nodes[idx[0]].name),
+                                        symmetric)
             row = 0
             for i, w in zip(idx, ws):
                 r = slice(row, row + int(w.shape[0]))
