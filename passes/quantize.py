@@ -4,17 +4,19 @@ Modes (``plan.weight_quantization``, or ``options['weight_quantization']``):
 
 - ``int8``: groups of 32 input columns (``INT8_GROUP``; ``options['group_size']`` overrides it,
   K = per output channel), asymmetric (scale + offset), round-to-nearest with the clip search
-  (passes/gptq.py). Why groups: one scale per 576-1536-wide row spends the int8 range on the
-  row's outlier columns, and on SmolLM2 that costs 3% top-1 (docs/quantization.md); a group of
-  32 confines an outlier to its group, and every shipped int8 kernel takes group 32.
+  (passes/gptq.py). Why groups: one scale per 576-1536-wide row is set by the row's largest
+  weights, which costs the rest their resolution; on SmolLM2 per channel measured 96.7% top-1
+  and group 32 asymmetric 100% (docs/quantization.md says why), and every shipped int8 kernel
+  takes group 32.
 - ``int4``: groups of ``options['group_size']`` (default: the plan's ``quant_group_size``,
-  else 128), asymmetric (scale + offset per group), GPTQ-calibrated on the built-in text
-  passes/calib_text.txt through the model's own tokenizer.
+  else 128), asymmetric (scale + offset per group), AWQ-scaled (passes/awq.py: per-channel
+  scales searched on the built-in text passes/calib_text.txt through the model's own
+  tokenizer, folded into the preceding norm / up_proj rows) then round-to-nearest.
 - ``native``: the linear weights a GGUF source shipped in block form (Q8_0/Q4_0/Q4_1 at group
   32, flatten/gguf_blocks.py) are used as they are; every other weight stays float.
 
-``options['quant_method']`` (``rtn`` or ``gptq``) overrides the method; ``options['symmetric']``
-the offsets.
+``options['quant_method']`` (``rtn``, ``gptq``, ``awq``, ``awq+gptq``) overrides the method,
+``options['act_order']`` / ``options['gptq_damp']`` tune GPTQ, ``options['symmetric']`` the offsets.
 The LM head stays in float unless ``options['quantize_lm_head']``, as vLLM's GPTQ/AWQ loaders
 do: logits are the most sensitive output.
 """
@@ -34,7 +36,7 @@ from portlayer.passes.util import all_names, fresh_name
 
 MODES = ("int8", "int4", "native")
 INT8_GROUP = 32  # the smallest group every linear_wq lowering takes (Triton: 16, CANN: 32)
-DEFAULT_METHOD = {8: "rtn", 4: "gptq"}
+DEFAULT_METHOD = {8: "rtn", 4: "awq"}  # the best measured on SmolLM2 (docs/quantization.md)
 
 
 def pick_group(k: int, bits: int, requested: int | None) -> int:
@@ -50,7 +52,7 @@ def pick_group(k: int, bits: int, requested: int | None) -> int:
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[torch.Tensor, int] | None = None,
-                    symmetric: bool | None = None, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    symmetric: bool | None = None, act_order: bool = False, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(qweight, scales, offsets or None) of a [N, K] weight; int4 comes packed two per byte.
 
     With ``gram`` (X^T X of the layer's inputs, rows) the codes come from GPTQ, else from
@@ -59,7 +61,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[tor
     from portlayer.passes.gptq import gptq, rtn
 
     sym = False if symmetric is None else symmetric
-    q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, act_order=act_order) if gram is not None else rtn(w, bits, group_size, sym)
+    q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, damp=damp, act_order=act_order) if gram is not None else rtn(w, bits, group_size, sym)
     return (pack_int4(q) if bits == 4 else q), s, off
 
 
@@ -147,6 +149,7 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
     symmetric = ctx.options.get("symmetric")
     sym = False if symmetric is None else bool(symmetric)
     act_order = bool(ctx.options.get("act_order", False))
+    damp = float(ctx.options.get("gptq_damp", 0.01))
     requested = ctx.options.get("group_size") or _plan_group(ctx, bits)
     grams: dict[str, Any] = {}
     how = "round-to-nearest"
@@ -174,7 +177,7 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
         for (_, gs), idx in shared.items():
             ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
             gram = grams.get(g.nodes[idx[0]].name) if "gptq" in method else None
-            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, gram, sym, act_order)
+            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, gram, sym, act_order, damp)
             row = 0
             for i, w in zip(idx, ws):
                 r = slice(row, row + int(w.shape[0]))
