@@ -10,7 +10,8 @@ format is quantized as ``portlayer compile`` would (passes/quantize.py, GPTQ on 
 the float and quantized graphs run on the reference interpreter on the GPU and are graded by
 passes/quality_gate.py: once with the quantized model in bf16 against the float32 model (what
 a bf16 deployment sees), and once with the float model itself in bf16 (the bf16 floor).
-Prints a table and writes JSON (``--json``).
+Prints a table and writes JSON (``--json``, else ``$OUT/gpu_quality_<device>_<dtype>.json`` when
+$OUT is set). ``--variants all`` adds the GPTQ variants (minutes more on the CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4-awq-gptq-act": ("int4", {"quant_method": "awq+gptq", "act_order": True}),
     "int4-g32": ("int4", {"group_size": 32, "quant_method": "rtn"}),
 }
+QUICK = ("int8", "int8-per-channel", "int4", "int4-rtn", "int4-g32")  # no GPTQ: fits a 10-minute slot
 
 
 def _paths() -> None:
@@ -55,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--formats", nargs="+", default=["native", "int8", "int4"])
     ap.add_argument("--target", default="nvidia-h200", help="descriptor whose plan (group size, ...) is used")
-    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                    help=f"int8/int4 variants to grade (default: all of {', '.join(VARIANTS)})")
+    ap.add_argument("--variants", nargs="+", default=list(QUICK), metavar="NAME",
+                    help=f"int8/int4 variants to grade, or 'all' (default: {' '.join(QUICK)}; all: {' '.join(VARIANTS)})")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     native = bool(graph.meta.get("source")) and (Path(graph.meta["source"]) / "gguf_native.json").is_file()
     todo = [("native", "native", None)] if native and "native" in args.formats else []
     todo += [(name, fmt, opts) for name, (fmt, opts) in VARIANTS.items()
-             if fmt in args.formats and (args.variants is None or name in args.variants)]
+             if fmt in args.formats and ("all" in args.variants or name in args.variants)]
     for name, fmt, opts in todo:
         t1 = time.perf_counter()
         res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False, options=opts)
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
         print(f"{r['format']:<36} {r['top1']:>7.1%} {r['mean_kl']:>9.4f} {r['ppl_ratio']:>10.4f} "
               f"{r.get('quantize_seconds', 0):>10}  {verdict}")
+    if args.json is None and os.environ.get("OUT"):
+        args.json = str(Path(os.environ["OUT"]) / f"gpu_quality_{args.device.split(':')[0]}_{args.dtype}.json")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
     return 0
