@@ -64,9 +64,9 @@ def _consumers(g: Graph) -> dict[str, list[int]]:
     return out
 
 
-def fold_target(g: Graph, idx: Sequence[int]) -> tuple[str, int, int | None] | None:
+def fold_target(g: Graph, idx: Sequence[int]) -> tuple[str, int] | None:
     """Where the activation of linears ``idx`` (all reading one input) can absorb ``1/s``:
-    ("norm", norm node, None) or ("rows", producer linear, None); None when nowhere exact."""
+    ("norm", norm node index) or ("rows", producer linear index); None when nowhere exact."""
     x = g.nodes[idx[0]].inputs[0]
     cons = _consumers(g)
     if sorted(cons.get(x, [])) != sorted(idx) or x in g.outputs:
@@ -77,7 +77,7 @@ def fold_target(g: Graph, idx: Sequence[int]) -> tuple[str, int, int | None] | N
         return None
     pn = g.nodes[p]
     if pn.op in NORMS and len(pn.inputs) > 1 and pn.inputs[1] in g.weights and len(cons.get(pn.inputs[1], [])) == 1:
-        return ("norm", p, None)
+        return ("norm", p)
     if pn.op == "mul" and len(pn.inputs) == 2 and not pn.attrs.get("scalar"):
         for operand in pn.inputs:
             q = prod.get(operand)
@@ -86,18 +86,18 @@ def fold_target(g: Graph, idx: Sequence[int]) -> tuple[str, int, int | None] | N
             qn = g.nodes[q]
             if (qn.op == "linear" and qn.inputs[1] in g.weights and len(cons.get(qn.inputs[1], [])) == 1
                     and (len(qn.inputs) < 3 or qn.inputs[2] is None or len(cons.get(qn.inputs[2], [])) == 1)):
-                return ("rows", q, None)
+                return ("rows", q)
     return None
 
 
-def apply_scale(g: Graph, idx: Sequence[int], where: tuple[str, int, int | None], s: torch.Tensor) -> None:
+def apply_scale(g: Graph, idx: Sequence[int], where: tuple[str, int], s: torch.Tensor) -> None:
     """Multiply the weights of linears ``idx`` by ``s`` per column and divide their input by ``s``
     at ``where`` (new tensors in ``g.weights``, dtypes kept)."""
     for i in idx:
         name = g.nodes[i].inputs[1]
         w = g.weights[name]
         g.weights[name] = (w.float() * s[None, :]).to(w.dtype)
-    kind, p, _ = where
+    kind, p = where
     node = g.nodes[p]
     if kind == "norm":
         name, off = node.inputs[1], float(node.attrs.get("weight_offset") or 0.0)
