@@ -43,7 +43,8 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     if plan is not None and descriptor.codegen == "triton":
         launch = plan.launch_configs
     return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
-                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0)
+                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
+                      shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,
