@@ -76,7 +76,7 @@ def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tm
     use_interpreter(monkeypatch)
     torch.manual_seed(0)
     cfg = T.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128)
     model = T.Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -97,7 +97,7 @@ def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tm
     model.set_attn_implementation("eager")
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    out = loaded.engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    out = loaded.engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert list(out.token_ids) == want
