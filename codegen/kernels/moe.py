@@ -101,7 +101,7 @@ def align_lines(ids: str, num_experts: int, block_m: int, slots: str) -> list[st
         "moe_order = torch.argsort(moe_flat, stable=True)",
         "moe_chosen = moe_flat[moe_order]",
         "moe_pos = ((torch.cumsum(moe_padded, 0) - moe_padded)[moe_chosen] - (torch.cumsum(moe_counts, 0) - moe_counts)"
-        f"[moe_chosen] + torch.arange(moe_flat.numel(), device=moe_flat.device))",
+        "[moe_chosen] + torch.arange(moe_flat.numel(), device=moe_flat.device))",
         f"moe_sorted = torch.full(((({slots}) + {(e + 1) * (bm - 1) + bm - 1}) // {bm} * {bm},), {slots}, "
         "dtype=torch.int32, device=moe_flat.device)",
         "moe_sorted[moe_pos] = moe_order.to(torch.int32)",
