@@ -1,12 +1,13 @@
-"""Mixture-of-experts implementations: the fused MoE Triton kernels (codegen/kernels/moe.py) as
-the Triton lowering of ``moe_experts``. The torch (CPU) path is the op's reference through
-impls_torch; CANN's grouped-matmul calls are in impls_cann_moe.py."""
+"""Triton implementations of the DeepSeek-era ops: the fused MoE kernels (codegen/kernels/moe.py)
+for ``moe_experts``, and ``mla_attention`` over its latent cache (codegen/kernels/mla.py). On the
+CPU both run the op's reference through impls_torch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from portlayer.backends.impls import Verdict, codegen_is, implementation
+from portlayer.codegen.kernels.mla import lower_mla
 from portlayer.codegen.kernels.moe import lower_moe
 from portlayer.codegen.spec import FLOAT_DTYPES
 from portlayer.flatten.ir import Node, TensorType
@@ -32,3 +33,21 @@ def _moe_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 implementation("moe_experts", name="triton.fused_moe", family="triton", priority=50, supported=codegen_is("triton"),
                supports=_moe_ok)(lower_moe)
+
+
+def _mla_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+    a = node.attrs
+    width = int(a["kv_lora_rank"]) + int(a["qk_rope_head_dim"])
+    if width > 256:
+        return False, (f"a cache entry of {width} (kv_lora_rank + rope) > 256 does not fit the paged kernels' K/V tiles; "
+                       "a dedicated MLA decode kernel is not written yet")
+    if int(a["num_heads"]) > 64:
+        return False, f"{a['num_heads']} heads over one latent KV head exceed the decode kernel's 64-row head tile"
+    dt = node.outputs[0].type.dtype
+    if dt not in FLOAT_DTYPES or types[node.inputs[1]].dtype != dt:
+        return False, f"output {dt} and latent {types[node.inputs[1]].dtype} must be one float dtype"
+    return True, ""
+
+
+implementation("mla_attention", name="triton.mla_attention", family="triton", priority=50,
+               supported=codegen_is("triton"), supports=_mla_ok)(lower_mla)
