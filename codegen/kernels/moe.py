@@ -87,22 +87,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return ns["moe_sorted"], ns["moe_blocks"], ns["moe_total"]
 
 
-def align_lines(ids: str, num_experts: int, block_m: int, slots: str) -> list[str]:
+def align_lines(ids: str, num_experts: int, block_m: int | str, slots: str) -> list[str]:
     """Host statements sorting the ``slots`` (token, choice) pairs of ``ids`` by expert into
-    BLOCK_M-padded runs: moe_sorted (slot ids, sentinel ``slots``), moe_blocks (expert of each
-    row block), moe_total (padded rows in use)."""
-    e, bm = int(num_experts), int(block_m)
+    ``block_m``-padded runs (an int or a host expression): moe_sorted (slot ids, sentinel
+    ``slots``), moe_blocks (expert of each row block), moe_total (padded rows in use)."""
+    e, bm = int(num_experts), str(block_m)
     return [
         f"moe_flat = {ids}.reshape(-1).long()",
         f"moe_flat = torch.where((moe_flat >= 0) & (moe_flat < {e}), moe_flat, {e})  # out of range: never computed",
         f"moe_counts = torch.zeros({e + 1}, dtype=torch.int64, device=moe_flat.device).scatter_add_("
         "0, moe_flat, torch.ones_like(moe_flat))",
-        f"moe_padded = (moe_counts + {bm - 1}) // {bm} * {bm}",
+        f"moe_padded = (moe_counts + ({bm} - 1)) // {bm} * {bm}",
         "moe_order = torch.argsort(moe_flat, stable=True)",
         "moe_chosen = moe_flat[moe_order]",
         "moe_pos = ((torch.cumsum(moe_padded, 0) - moe_padded)[moe_chosen] - (torch.cumsum(moe_counts, 0) - moe_counts)"
         "[moe_chosen] + torch.arange(moe_flat.numel(), device=moe_flat.device))",
-        f"moe_sorted = torch.full(((({slots}) + {(e + 1) * (bm - 1) + bm - 1}) // {bm} * {bm},), {slots}, "
+        f"moe_sorted = torch.full(((({slots}) + {e + 1} * ({bm} - 1) + {bm} - 1) // {bm} * {bm},), {slots}, "
         "dtype=torch.int32, device=moe_flat.device)",
         "moe_sorted[moe_pos] = moe_order.to(torch.int32)",
         f"moe_blocks = torch.searchsorted(torch.cumsum(moe_padded[:{e}], 0), torch.arange(0, moe_sorted.numel(), {bm}, "
@@ -142,7 +142,9 @@ def triton_cdiv(a: int, b: int) -> int:
 def lower_moe(ctx: GenContext, group: KernelGroup) -> GroupCode:
     """The moe_experts group as host code: align the slots by expert (torch statements on the
     device), the two fused stages, the fixed-order sum of each token's TOP_K slots into the
-    planned output. Tiles come from the descriptor's shared memory per block."""
+    planned output. BLOCK_N / BLOCK_K and the largest BLOCK_M come from the descriptor's shared
+    memory per block; BLOCK_M shrinks at run time to the rows an expert gets (16 at decode),
+    so a batch-1 step does not pad every chosen expert to 64 rows."""
     (node,) = group.nodes
     x, ids, weights, w_gate_up, w_down = node.inputs
     out = node.outputs[0].name
@@ -153,11 +155,12 @@ def lower_moe(ctx: GenContext, group: KernelGroup) -> GroupCode:
     cfg = moe_config(ctx.shared_memory_bytes, ctx.warp_size, dtype, hidden, inter)
     gate_up, down = build_fused_moe(dtype, act, cfg, top_k, hidden, inter)
     slots = f"T * {top_k}" if top_k != 1 else "T"
-    common = (f"TOP_K={top_k}, BLOCK_M={cfg.block_m}, BLOCK_N={cfg.block_n}, BLOCK_K={cfg.block_k}, "
+    common = (f"TOP_K={top_k}, BLOCK_M=moe_bm, BLOCK_N={cfg.block_n}, BLOCK_K={cfg.block_k}, "
               f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}")
-    grid = "moe_sorted.numel() // " + str(cfg.block_m)
+    grid = "moe_sorted.numel() // moe_bm"
     lines = [f"# moe_experts: {experts} experts, top-{top_k}, {hidden} -> 2x{inter} -> {hidden}; {cfg.reason}",
-             *align_lines(ids, experts, cfg.block_m, slots),
+             f"moe_bm = gemm_block_m(-(-{slots} // {experts}), {cfg.block_m})  # rows per expert if routing were even",
+             *align_lines(ids, experts, "moe_bm", slots),
              f"moe_inter = torch.empty({slots}, {inter}, dtype={x}.dtype, device={x}.device)",
              f"moe_out = torch.zeros({slots}, {hidden}, dtype={x}.dtype, device={x}.device)",
              f"K.{gate_up.name}[({grid} * {triton_cdiv(inter, cfg.block_n)},)](",
