@@ -1,8 +1,9 @@
 """Interpreter tier: ``moe_experts`` through the lowering registry on Triton targets — the
 pipeline picks triton.fused_moe, the generated host program aligns the slots by expert and
 launches the two fused stages — against the op's reference (top-k 1, 2, 8; 4 to 64 experts;
-ragged token counts that leave experts empty); and a tiny Qwen3-MoE compiled for nvidia-h200
-validates under the interpreter and generates HF's greedy tokens."""
+ragged token counts that leave experts empty); a tiny Qwen3-MoE compiled for nvidia-h200
+validates under the interpreter and generates HF's greedy tokens, and compiled for ascend-910b
+(npu_grouped_matmul, on the CPU emulator of torch_npu) generates them too."""
 
 from __future__ import annotations
 
@@ -66,14 +67,9 @@ def test_tiles_come_from_the_descriptor(tmp_path, monkeypatch):
     assert "4 warps of 32" in h200.host and "2 warps of 64" in mi300.host
 
 
-def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tmp_path):
+def _tiny_qwen3_moe():
     import transformers as T
 
-    import portlayer
-    from portlayer.runtime.loaded import open_artifact
-    from portlayer.runtime.sequence import SamplingParams
-
-    use_interpreter(monkeypatch)
     torch.manual_seed(0)
     cfg = T.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -86,18 +82,50 @@ def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tm
                 torch.nn.init.normal_(m.down_proj, std=0.05)
             if type(m).__name__.lower().endswith("topkrouter"):
                 torch.nn.init.normal_(m.weight, std=0.2)
+    return model
+
+
+PROMPT = [5, 17, 42, 99, 3, 64, 7]
+
+
+def _hf_greedy(model, new: int) -> list[int]:
+    model.set_experts_implementation("eager")
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+
+
+def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tmp_path):
+    import portlayer
+    from portlayer.runtime.loaded import open_artifact
+    from portlayer.runtime.sequence import SamplingParams
+
+    use_interpreter(monkeypatch)
+    model = _tiny_qwen3_moe()
     art = tmp_path / "art"
     portlayer.compile(model, target="nvidia-h200", output=art, dtype="float32", progress=False)
     assert "fused_moe_gate_up" in (art / "host.py").read_text()
     loaded = open_artifact(art, interpret=True)
     report = loaded.validate()
     assert report.ok, report.format_table()
-    prompt = [5, 17, 42, 99, 3, 64, 7]
-    model.set_experts_implementation("eager")
-    model.set_attn_implementation("eager")
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    out = loaded.engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    want = _hf_greedy(model, 8)
+    out = loaded.engine().generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert list(out.token_ids) == want
+
+
+def test_tiny_qwen3_moe_on_the_ascend_emulator(tmp_path):
+    """ascend-910b: the experts run as npu_grouped_matmul + npu_swiglu calls (emulated), greedy == HF."""
+    import portlayer
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    model = _tiny_qwen3_moe()
+    art = tmp_path / "art"
+    portlayer.compile(model, target="ascend-910b", output=art, dtype="float32", progress=False)
+    assert "npu.npu_grouped_matmul(" in (art / "host.py").read_text()
+    eng = LLMEngine.from_artifact(art, emulate=True)
+    out = eng.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert list(out.token_ids) == _hf_greedy(model, 12)
+    assert eng.executable.npu.calls["npu_grouped_matmul"] >= 2 * 12
