@@ -2,7 +2,7 @@
 pipeline picks triton.fused_moe, the generated host program aligns the slots by expert and
 launches the two fused stages — against the op's reference (top-k 1, 2, 8; 4 to 64 experts;
 ragged token counts that leave experts empty); a tiny Qwen3-MoE compiled for nvidia-h200
-validates under the interpreter and generates HF's greedy tokens, and compiled for ascend-910b
+validates under the interpreter (`portlayer validate --interpret`), and compiled for ascend-910b
 (npu_grouped_matmul, on the CPU emulator of torch_npu) generates them too."""
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ def _hf_greedy(model, new: int) -> list[int]:
 def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tmp_path):
     import portlayer
     from portlayer.runtime.loaded import open_artifact
-    from portlayer.runtime.sequence import SamplingParams
 
     use_interpreter(monkeypatch)
     model = _tiny_qwen3_moe()
@@ -108,11 +107,8 @@ def test_tiny_qwen3_moe_for_h200_validates_under_the_interpreter(monkeypatch, tm
     portlayer.compile(model, target="nvidia-h200", output=art, dtype="float32", progress=False)
     assert "fused_moe_gate_up" in (art / "host.py").read_text()
     loaded = open_artifact(art, interpret=True)
-    report = loaded.validate()
+    report = loaded.validate()  # prefill, packed sequences, paged prefill + decode vs the reference graph
     assert report.ok, report.format_table()
-    want = _hf_greedy(model, 8)
-    out = loaded.engine().generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    assert list(out.token_ids) == want
 
 
 def test_tiny_qwen3_moe_on_the_ascend_emulator(tmp_path):
