@@ -26,6 +26,7 @@ class GenContext:
     warp_size: int = 32
     compute_units: int = 108
     triton_gemm_max_tokens: int = 0
+    gemv_max_tokens: int = 0
     shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
