@@ -45,7 +45,8 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
                       triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0,
-                      gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor))
+                      gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
+                      shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,
