@@ -38,7 +38,7 @@ EMITTABLE = {"npu_rms_norm", "npu_add_rms_norm", "npu_mrope", "_npu_rotary_embed
              "npu_fused_infer_attention_score", "npu_rotary_mul", "npu_weight_quant_batchmatmul"}
 SOURCES = [("tiny-qwen3", "float16"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen3", "float32"),
            ("tiny-llama", "float16"), ("tiny-llama", "float32"), ("qwen3-hd64", "float16"),
-           ("qwen3-hd64", "bfloat16")]
+           ("qwen3-hd64", "bfloat16"), ("bert-hd64", "float16"), ("qwen3-emb-hd64", "float16")]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,12 @@ def models(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     Qwen3ForCausalLM(cfg).save_pretrained(str(d))
     for f in tiny_dirs["tiny-qwen3"].glob("tokenizer*"):
         shutil.copy(f, d / f.name)
-    return {**tiny_dirs, "qwen3-hd64": d}
+    from test_ascend_encoders import _bert_hd64, _qwen3_embedding_hd64
+
+    enc = {name: tmp_path_factory.mktemp(name) for name in ("bert-hd64", "qwen3-emb-hd64")}
+    _bert_hd64(enc["bert-hd64"])
+    _qwen3_embedding_hd64(enc["qwen3-emb-hd64"])
+    return {**tiny_dirs, "qwen3-hd64": d, **enc}
 
 
 @pytest.fixture(scope="module")
