@@ -229,6 +229,26 @@ def codegen(result: Any, out_dir: Path) -> tuple[list[Path], str, str]:
     return files, adapter.name, f"{type(adapter).__name__}.compile_program"
 
 
+def build_binaries(desc: Any, out_dir: Path, options: dict[str, Any], say: Any) -> list[Path]:
+    """The kernels compiled to the target's binaries (codegen/aot.py), unless --sources-only."""
+    if options.get("sources_only"):
+        return []
+    from portlayer.codegen.aot import build_binaries as build
+
+    say("kernel binaries")
+    return build(out_dir, desc) or []
+
+
+def binaries_summary(out_dir: Path) -> dict[str, Any]:
+    """The manifest's "binaries" entry: kind, target, toolchain and one {file, sha256} per kernel."""
+    import json
+
+    index = json.loads((out_dir / "binaries.json").read_text())
+    return {"kind": index["kind"], "target": index["target"], "toolchain": index["toolchain"],
+            "compile_s": index["seconds"], "jobs": index["jobs"],
+            "kernels": {n: {"file": k["file"], "sha256": k["sha256"]} for n, k in index["kernels"].items()}}
+
+
 def copy_tokenizer(model_dir: Path | None, dest: Path) -> list[Path]:
     if model_dir is None or not model_dir.is_dir():
         return []
@@ -284,6 +304,7 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         with stages.stage("codegen") as say:
             say(f"backend for {desc.device_type}")
             files, backend, codegen_how = codegen(result, w.dir)
+            binaries = build_binaries(result.descriptor, w.dir, options, say) if files else []
         with stages.stage("write") as say:
             say(str(final))
             save_graph(result.graph, w.dir)
@@ -296,6 +317,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
             copy_tokenizer(src.path, w.dir / A.TOKENIZER_DIR)
             for f in files:
                 w.declare(f if f.is_absolute() else w.dir / f, "source")
+            for f in binaries:
+                w.declare(f, "binary")
             rel_files = sorted(str((f if f.is_absolute() else w.dir / f).relative_to(w.dir)) for f in files)
             manifest = {
                 "model": {"spec": src.spec, "source": str(src.path) if src.path else None, "sha256": src.sha256,
@@ -308,6 +331,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                 "codegen": {"generated": bool(files), "files": rel_files},
                 "timings_s": dict(stages.timings),
             }
+            if binaries:
+                manifest["binaries"] = binaries_summary(w.dir)
             if gate_doc is not None:
                 manifest["quality_gate"] = gate_doc
             return w.commit(manifest)
