@@ -21,11 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from portlayer.errors import PortlayerError
+
 #: descriptor device_type -> the Triton backend that compiles for it (PyPI Triton ships cuda and hip;
 #: xpu needs triton-xpu, see codegen/xpu_toolchain.py).
 TRITON_BACKENDS = {"cuda": "cuda", "rocm": "hip", "xpu": "xpu"}
 BINARY = {"cuda": "cubin", "hip": "hsaco", "xpu": "spv"}
 BINARIES_INDEX = "binaries.json"
+
+
+class BinaryBuildError(PortlayerError):
+    """The kernels of an artifact did not compile to the target's binaries (the message has the compiler's
+    last lines and the --sources-only way out)."""
+
 BINARIES_DIR = "binaries"
 
 
@@ -253,16 +261,19 @@ def build_binaries(artifact: Path, desc: Any, jobs: int | None = None, timeout: 
     if jobs:
         args += ["--jobs", str(jobs)]
     if backend == "xpu":
-        from portlayer.codegen.xpu_toolchain import run_aot
+        from portlayer.codegen.xpu_toolchain import XPUToolchainError, run_aot
 
-        r = run_aot(args, timeout=timeout)
+        try:
+            r = run_aot(args, timeout=timeout)
+        except XPUToolchainError as e:
+            raise BinaryBuildError(str(e)) from None
     else:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         r = subprocess.run([sys.executable, "-m", "portlayer.codegen.aot", *args], env=env, capture_output=True,
                            text=True, timeout=timeout)
     if r.returncode:
         lines = [x for x in (r.stderr or r.stdout).strip().splitlines() if "Warning" not in x and "warn_once" not in x]
-        raise RuntimeError(f"compiling the {BINARY[backend]} kernel binaries for {desc.name} failed (rc {r.returncode}):\n"
+        raise BinaryBuildError(f"compiling the {BINARY[backend]} kernel binaries for {desc.name} failed (rc {r.returncode}):\n"
                            + "\n".join(lines[-15:]) + "\nCompile with --sources-only to ship the kernel sources only "
                            "(JIT-compiled on the device).")
     index = json.loads((artifact / BINARIES_INDEX).read_text())

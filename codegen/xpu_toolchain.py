@@ -94,8 +94,8 @@ def run_aot(args: list[str], directory: Path | None = None, timeout: float = 900
 
 def _patch_backend() -> None:
     """Skip the SYCL-dependent arch_parser build of triton-xpu's backend (see the module docstring)."""
+    from triton.backends import backends
     from triton.backends.compiler import BaseBackend
-    from triton.backends.intel import compiler as intel
 
     def init(self: Any, target: Any) -> None:
         BaseBackend.__init__(self, target)
@@ -105,7 +105,7 @@ def _patch_backend() -> None:
         self.properties = self.parse_target(target.arch)
         self.binary_ext = "spv"
 
-    intel.XPUBackend.__init__ = init
+    backends["intel"].compiler.__init__ = init  # the class triton's backend discovery loaded (not an import)
 
 
 def main(argv: list[str]) -> int:
