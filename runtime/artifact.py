@@ -37,7 +37,7 @@ TOKENIZER_DIR = "tokenizer"
 SOURCE_DIR = "generated"
 
 #: every file kind an artifact may hold; anything a backend generates is a "source"
-KINDS = ("graph", "weights", "plan", "capability", "validation", "tokenizer", "source", "binary")
+KINDS = ("graph", "weights", "plan", "capability", "validation", "tokenizer", "source")
 FIXED_KINDS = {
     GRAPH: "graph", WEIGHTS: "weights", PLAN: "plan", CAPABILITY: "capability",
     VALIDATION: "validation", VALIDATION_TENSORS: "validation",
@@ -309,7 +309,7 @@ def verified_sources(m: Manifest) -> Any:
     """The artifact's generated sources (codegen.source_loader.VerifiedSources) from the held bytes."""
     from portlayer.codegen.source_loader import VerifiedSources
 
-    rels = m.files_of("source") + m.files_of("binary")  # kernel binaries run from verified bytes too
+    rels = m.files_of("source")
     missing = [r for r in rels if r not in m.held]
     if missing:
         raise ArtifactError(f"artifact {m.path}: generated sources {missing[:3]} were not held at verification "

@@ -50,14 +50,14 @@ def test_manifest_lists_one_binary_per_kernel(arts, target, kind):
     assert b["toolchain"]["triton"] == triton.__version__
     for name, k in b["kernels"].items():
         data = (art / k["file"]).read_bytes()
-        assert k["file"].endswith(f".{kind}") and m["files"][k["file"]]["kind"] == "binary"
+        assert k["file"].endswith(f".{kind}") and m["files"][k["file"]]["kind"] == "source"
         assert hashlib.sha256(data).hexdigest() == k["sha256"] == m["files"][k["file"]]["sha256"]
         machine, flags = _elf(data)
         if kind == "hsaco":
             assert machine == EM_AMDGPU and flags & 0xFF == EF_AMDGPU_MACH_GFX942, (name, hex(flags))
         else:
             assert machine == EM_CUDA
-    assert m["files"]["binaries.json"]["kind"] == "binary"
+    assert m["files"]["binaries.json"]["kind"] == "source"
 
 
 def test_cubins_are_sm90_by_cuda_12_ptxas(arts):

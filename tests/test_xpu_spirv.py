@@ -103,7 +103,7 @@ def test_xpu_artifact_lists_one_spv_per_kernel(xpu_env, tiny_dirs, tmp_path):
     kernels = json.loads((art.path / "kernels.json").read_text())["kernels"]
     assert m["binaries"]["kind"] == "spv" and set(m["binaries"]["kernels"]) == set(kernels)
     for k in m["binaries"]["kernels"].values():
-        assert m["files"][k["file"]]["kind"] == "binary" and k["file"].endswith(".spv")
+        assert m["files"][k["file"]]["kind"] == "source" and k["file"].endswith(".spv")
 
 
 def test_igpu_kv_budget_comes_from_system_memory(monkeypatch, capsys):
