@@ -176,7 +176,15 @@ class BinaryKernel:
         gx, gy, gz = g[0], g[1], g[2]
         if gx * gy * gz == 0:
             return
-        holders = []
+        holders = self.pack(args, kwargs, gx * gy * gz)
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.driver.check(self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared,
+                                             ctypes.c_void_p(stream), params, None), f"launch of {self.name}")
+
+    def pack(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> list[Any]:
+        """The kernel parameters as ctypes values, in the binary's order: runtime arguments, then scratch."""
+        holders: list[Any] = []
         for v, t in zip(self._bind(args, kwargs), self.types):
             if t.startswith("*"):
                 ptr = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
@@ -186,15 +194,12 @@ class BinaryKernel:
         scratch = 0
         size = int(self.rec["global_scratch_size"])
         if size:
-            need = size * gx * gy * gz + int(self.rec["global_scratch_align"])
+            need = size * programs + int(self.rec["global_scratch_align"])
             if self._scratch is None or self._scratch.numel() < need:
                 self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
-            scratch = self._scratch.data_ptr()
-        holders += [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.driver.check(self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared,
-                                             ctypes.c_void_p(stream), params, None), f"launch of {self.name}")
+            align = int(self.rec["global_scratch_align"])
+            scratch = -(-self._scratch.data_ptr() // align) * align
+        return holders + [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
 
 
 # ---- binding an artifact's kernels ------------------------------------------------------------------------

@@ -128,3 +128,29 @@ def test_sources_only_ships_no_binaries(tiny_dirs, tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert "binaries" not in m and not (out / "binaries").exists()
     assert m["options"]["sources_only"] is True and any(f.startswith("kernels/") for f in m["files"])
+
+
+class _NoDriver:
+    """Packing parameters needs no GPU; loading and launching do (scripts/gpu_binaries.sh)."""
+
+    def function(self, image, entry, shared):
+        return None
+
+
+def test_launch_parameters_follow_the_binary_abi(arts):
+    import ctypes
+
+    index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
+    rec = index["kernels"][name]
+    assert [a for a, t in rec["args"] if t != "constexpr"] == ["x_ptr", "w_ptr", "out_ptr", "n_rows", "eps"]
+    k = KB.BinaryKernel(name, rec, b"", _NoDriver(), torch.device("cpu"))
+    x, w, out = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), torch.empty(4, 64)
+    held = k.pack((x, w, out), {"n_rows": 4, "eps": 1e-6, **rec["constexprs"], "num_warps": rec["num_warps"]})
+    assert [type(h) for h in held] == [ctypes.c_uint64] * 3 + [ctypes.c_int32, ctypes.c_float] + [ctypes.c_uint64] * 2
+    assert [h.value for h in held[:4]] == [x.data_ptr(), w.data_ptr(), out.data_ptr(), 4]
+    assert held[4].value == pytest.approx(1e-6) and held[5].value == held[6].value == 0  # no scratch needed
+    assert k.block == rec["num_warps"] * 32
+    wrong = {**rec["constexprs"], "N": 2 * rec["constexprs"]["N"]}
+    with pytest.raises(KB.KernelBinaryError, match="compiled for"):
+        k.pack((x, w, out, 4, 1e-6), wrong)
