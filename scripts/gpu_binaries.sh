@@ -35,6 +35,8 @@ art = Path(sys.argv[1])
 out = {"artifact": str(art), "triton_cache_dir": os.environ["TRITON_CACHE_DIR"]}
 import torch, triton
 out.update(torch=torch.__version__, triton=triton.__version__, device=torch.cuda.get_device_name(0))
+print(json.dumps({"check": "environment", "torch": out["torch"], "triton": out["triton"], "device": out["device"]}),
+      flush=True)
 compiles = []
 import triton.compiler.compiler as tcc
 from triton.runtime import jit as tjit
