@@ -425,7 +425,9 @@ class AscendEmulator:
             s = s.masked_fill(~allowed[None], float("-inf"))
             p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
             out[qs:qe] = torch.einsum("hls,shd->lhd", p, vf).to(query.dtype)
-        lse = torch.zeros(1, dtype=torch.float32)
+        # torch-npu 2.14.0's meta function: without softmax_lse_flag the lse output is an empty [0] float32
+        # (ascend-ops.md said shape (1,); the wheel settles it, tests/test_ascend_conformance.py)
+        lse = torch.empty(0, dtype=torch.float32)
         if softmax_lse_flag:
             raise RuntimeError(f"npu_fused_infer_attention_score: softmax_lse_flag=True is not emulated {TAG}")
         return out, lse
