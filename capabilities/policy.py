@@ -31,6 +31,13 @@ def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
+def system_memory_bytes() -> int:
+    """Physical memory of this host (what an iGPU with unified memory shares)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -208,6 +215,11 @@ class _Negotiation:
             return
         frac, frac_why = self.usable_fraction()
         usable = d.memory.capacity_bytes * frac
+        if d.memory.unified_with_host and d.device_type != "cpu":  # an iGPU: its memory IS system memory
+            ram = system_memory_bytes()
+            usable = min(ram, d.memory.capacity_bytes) * frac
+            frac_why = (f"{frac_why}; unified memory: min({_gib(ram)} system memory on this host, the descriptor's "
+                        f"{_gib(d.memory.capacity_bytes)} driver share)")
         q = self.v["weight_quantization"]
         weights = r.param_bytes_at(q if q in ("int8", "int4") else dt)
         act = 2 * self.v["max_batched_tokens"] * self.activation_bytes_per_token()

@@ -23,6 +23,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the capture self-check against the model's own forward (warns)")
+    p.add_argument("--sources-only", action="store_true",
+                   help="GPU targets: ship kernel sources without cubin/hsaco/SPIR-V binaries (Triton JIT-compiles them "
+                        "on the device; also PORTLAYER_SOURCES_ONLY=1)")
     p.set_defaults(func=run_compile)
 
     v = sub.add_parser("validate", help="re-run an artifact's validation set on this device",
@@ -69,7 +72,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
                             quantize=args.quantize, progress=not args.no_progress, strict=args.strict,
-                            verify=not args.no_verify)
+                            verify=not args.no_verify, sources_only=args.sources_only or None)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")
