@@ -170,7 +170,7 @@ def fold_masks(g: Graph, where: str) -> tuple[Graph, set[str]]:
             if mask is None:
                 break
             vals = evaluate_length_only(g, [mask], SAMPLE_LENGTHS)
-            kinds = {_mask_kind(v[0], t, additive) for t, v in vals.items()}
+            kinds = {_mask_kind(v[0], t, additive) for t, v in vals.items() if t > 1}  # at 1 token both agree
             if len(kinds) != 1 or None in kinds:
                 raise OnnxImportError(
                     f"{where}: the attention mask feeding {sm.name} (node {cur.name}, {sm.meta.get('source')}) is "
