@@ -80,3 +80,26 @@ def _check_opset(p: Path, model: Any) -> None:
         raise OnnxImportError(
             f"{p}: the graph uses nodes of custom domain(s) {bad} (e.g. onnxruntime's fused contrib ops); "
             "export without graph optimisation so that only standard ONNX ops appear.")
+
+
+def onnx_file_hash(path: str | Path) -> str:
+    """sha256 over the .onnx file and every external-data file it names (the compile cache key)."""
+    import hashlib
+
+    import onnx
+
+    p = Path(path)
+    h = hashlib.sha256()
+    files = [p]
+    model = onnx.load(str(p), load_external_data=False)
+    for t in model.graph.initializer:
+        if _is_external(t):
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc and (p.parent / loc) not in files:
+                files.append(p.parent / loc)
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
