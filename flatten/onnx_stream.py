@@ -155,6 +155,7 @@ def fold_masks(g: Graph, where: str) -> tuple[Graph, set[str]]:
     rw = Rewriter(g)
     dep = _data_dependent(g)
     causal: set[str] = set()
+    seen: dict[tuple[str, bool], set[str | None]] = {}
     for sm in [n for n in g.nodes if n.op == "softmax"]:
         cur = rw.producer(sm.inputs[0])
         while cur is not None:
@@ -169,8 +170,10 @@ def fold_masks(g: Graph, where: str) -> tuple[Graph, set[str]]:
                 break
             if mask is None:
                 break
-            vals = evaluate_length_only(g, [mask], SAMPLE_LENGTHS)
-            kinds = {_mask_kind(v[0], t, additive) for t, v in vals.items() if t > 1}  # at 1 token both agree
+            if (mask, additive) not in seen:  # layers share one mask: evaluated once
+                vals = evaluate_length_only(g, [mask], SAMPLE_LENGTHS)
+                seen[(mask, additive)] = {_mask_kind(v[0], t, additive) for t, v in vals.items() if t > 1}
+            kinds = seen[(mask, additive)]  # at 1 token causal and bidirectional agree, so it is not asked
             if len(kinds) != 1 or None in kinds:
                 raise OnnxImportError(
                     f"{where}: the attention mask feeding {sm.name} (node {cur.name}, {sm.meta.get('source')}) is "

@@ -12,7 +12,7 @@ import torch
 from portlayer.flatten.ir import Graph
 from portlayer.flatten.onnx_load import OnnxImportError
 
-LENGTHS = (5, 11)
+LENGTHS = (4, 7)
 
 
 def faithful_feeds(graph: Graph, ids: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
