@@ -46,9 +46,11 @@ def load_onnx(path: str | Path) -> Any:
     if not model.graph.node and not model.graph.output:
         raise OnnxImportError(f"{p}: the ONNX graph is empty (truncated file?); export or copy it again")
     _check_opset(p, model)
+    from onnx.checker import ValidationError
+
     try:
         onnx.load_external_data_for_model(model, str(p.parent))
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, ValidationError) as e:
         missing = [t.name for t in model.graph.initializer if _is_external(t)]
         raise OnnxImportError(
             f"{p}: external tensor data could not be read ({type(e).__name__}: {str(e)[:200]}); tensors stored "
