@@ -154,15 +154,42 @@ def _softmax(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]
 
 @onnx_op("LayerNormalization")
 def _layer_norm(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]) -> list[Any]:
+    """layer_norm over the last axis; normalising axes a.. flattens them into one last axis first."""
     x = cv.tensor(ins[0])
-    rank = cv.type_of(x).rank
-    if int(attrs.get("axis", -1)) % rank != rank - 1:
-        raise cv.fail(f"LayerNormalization over axes {attrs.get('axis')}.. (only the last axis maps to layer_norm)")
-    if any(o for o in node.output[1:]):
-        raise cv.fail("LayerNormalization's Mean / InvStdDev outputs (training only) are not supported")
-    w = cv.tensor(ins[1]) if len(ins) > 1 and ins[1] is not None else None
-    b = cv.tensor(ins[2]) if len(ins) > 2 and ins[2] is not None else None
-    return [cv.emit("layer_norm", [x, w, b], {"eps": float(attrs.get("epsilon", 1e-5))})]
+    shape = list(cv.type_of(x).shape)
+    rank = len(shape)
+    axis = int(attrs.get("axis", -1)) % rank
+    eps = float(attrs.get("epsilon", 1e-5))
+    tail = shape[axis:]
+    if axis != rank - 1:
+        if not all(isinstance(d, int) for d in tail):
+            raise cv.fail(f"LayerNormalization over symbolic axes {tail}")
+        x = cv.reshape_to(x, shape[:axis] + [int(np.prod(tail))])
+    w = b = None
+    for k in (1, 2):
+        if len(ins) > k and ins[k] is not None:
+            t = cv.tensor(ins[k].reshape(-1) if isinstance(ins[k], np.ndarray) else ins[k])
+            if cv.type_of(t).rank != 1:
+                t = cv.reshape_to(t, [int(np.prod(tail))])
+            w, b = (t, b) if k == 1 else (w, t)
+    y = cv.reshape_to(cv.emit("layer_norm", [x, w, b], {"eps": eps}), shape)
+    outs: list[Any] = [y]
+    if any(o for o in node.output[1:]):  # Mean and InvStdDev, shaped like x with the normalised axes as 1
+        stat_shape = shape[:axis] + [1] * len(tail)
+        mean = cv.emit("mean", [x], {"dims": [-1], "keepdim": True})
+        dev = cv.emit("sub", [x, mean])
+        var = cv.emit("mean", [cv.emit("mul", [dev, dev])], {"dims": [-1], "keepdim": True})
+        inv = cv.emit("rsqrt", [cv.emit("add", [var], {"scalar": eps})])
+        outs += [cv.reshape_to(mean, stat_shape), cv.reshape_to(inv, stat_shape)]
+    return outs
+
+
+@onnx_op("Sum")
+def _sum(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]) -> list[Any]:
+    acc = cv.tensor(ins[0])
+    for x in ins[1:]:
+        acc = cv.emit("add", [acc, cv.tensor(x)])
+    return [acc]
 
 
 @onnx_op("MatMul")
@@ -173,9 +200,19 @@ def _matmul(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any])
         w = cv.param(np.ascontiguousarray(b.T), f"{cv._const_names.get(id(b)) or node.name}_t")
         return [cv.emit("linear", [a, w, None])]
     x, y = cv.tensor(a), cv.tensor(b)
-    if cv.type_of(x).rank < 2 or cv.type_of(y).rank < 2:
-        raise cv.fail("MatMul with a 1-D operand")
-    return [cv.emit("matmul", [x, y])]
+    xs, ys = list(cv.type_of(x).shape), list(cv.type_of(y).shape)
+    if len(xs) >= 2 and len(ys) >= 2:
+        return [cv.emit("matmul", [x, y])]
+    # numpy's 1-D rules: a vector on the left is a row, on the right a column, and that axis is dropped
+    x2 = cv.reshape_to(x, [1] + xs) if len(xs) == 1 else x
+    y2 = cv.reshape_to(y, ys + [1]) if len(ys) == 1 else y
+    z = cv.emit("matmul", [x2, y2])
+    out = list(cv.type_of(z).shape)
+    if len(ys) == 1:
+        out = out[:-1]
+    if len(xs) == 1:
+        out = out[:-1] if len(ys) == 1 else out[:-2] + out[-1:]
+    return [cv.reshape_to(z, out)]
 
 
 @onnx_op("Gemm")

@@ -215,7 +215,8 @@ def _squeeze(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]
 def _flatten(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]) -> list[Any]:
     x = cv.tensor(ins[0])
     shape = list(cv.type_of(x).shape)
-    axis = int(attrs.get("axis", 1)) % (len(shape) + 1) if shape else 0
+    axis = int(attrs.get("axis", 1))
+    axis = axis + len(shape) if axis < 0 else axis
     a, b = _sym(1), _sym(1)
     for d in shape[:axis]:
         a = a * _sym(d)
@@ -304,7 +305,10 @@ def _gather(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any])
     it = cv.tensor(idx)
     ishape = list(cv.type_of(it).shape)
     if axis == 0 and len(dshape) == 2 and cv.b.graph.params.get(data) is not None:
-        return [cv.emit("embedding", [data, it])]
+        return [cv.emit("embedding", [data, it])]  # a table lookup: token ids are never negative
+    if isinstance(ins[1], str) and isinstance(dshape[axis], int):  # ONNX counts negative indices from the end
+        neg = cv.emit("lt", [it], {"scalar": 0})
+        it = cv.emit("where", [neg, cv.emit("add", [it], {"scalar": dshape[axis]}), it])
     flat = cv.reshape_to(it, [_numel(ishape)])
     sel = cv.emit("index_select", [data, flat], {"dim": axis})
     return [cv.reshape_to(sel, dshape[:axis] + ishape + dshape[axis + 1:])]
@@ -410,6 +414,9 @@ def _cumsum(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any])
     t = cv.type_of(x)
     if not isinstance(ins[1], np.ndarray):
         raise cv.fail("CumSum with a run-time axis")
+    if t.rank == 1:  # as a row, then back
+        y = _cumsum(cv, node, [cv.reshape_to(x, [1, t.shape[0]]), np.array(1)], attrs)[0]
+        return [cv.reshape_to(y, list(t.shape))]
     axis = int(ins[1].reshape(())) % t.rank
     n = t.shape[axis]
     r = cv.emit("arange", [], {"start": 0, "end": n, "step": 1, "dtype": "int64"})
