@@ -65,7 +65,7 @@ def run_case(case: Any) -> CaseResult:
         sorted({n.op_type for n in case.model.graph.node}))
     try:
         for inputs, expected in case.data_sets:
-            inputs, expected = [np.asarray(x) for x in inputs], [np.asarray(x) for x in expected]
+            inputs, expected = [_array(x) for x in inputs], [_array(x) for x in expected]
             if any(not isinstance(x, np.ndarray) or x.dtype.kind not in "fiub" for x in list(inputs) + list(expected)):
                 return CaseResult(case.name, op_type, False, "an input or output dtype the Flat IR does not hold")
             model, feeds = _static_model(case.model, list(inputs))
@@ -87,6 +87,19 @@ def run_case(case: Any) -> CaseResult:
     except Exception as e:  # a failure of one case is a row in the report, whatever it is
         return CaseResult(case.name, op_type, False, f"{type(e).__name__}: {str(e)[:160]}")
     return CaseResult(case.name, op_type, True)
+
+
+def _array(x: Any) -> Any:
+    """Test data as numpy (TensorProto for dtypes numpy lacks: kept as an object, reported unsupported)."""
+    import onnx
+    from onnx import numpy_helper
+
+    if isinstance(x, onnx.TensorProto):
+        try:
+            return numpy_helper.to_array(x)
+        except Exception:  # float8 / int4 / ...: numpy cannot hold them
+            return x
+    return np.asarray(x) if not isinstance(x, np.ndarray) else x
 
 
 def collect(modules: list[str] | None = None) -> list[Any]:

@@ -141,7 +141,7 @@ class OnnxConverter:
         return self.reshape_to(out, []) if v.scalar else out
 
     def param(self, v: np.ndarray, name: str) -> str:
-        return self.b.add_param(_py_name(name), torch.from_numpy(np.ascontiguousarray(v).copy()))
+        return self.b.add_param(_py_name(name), torch.from_numpy(np.array(v, copy=True, order="C")))  # keeps 0-d
 
     def reshape_to(self, x: str, shape: list[Dim]) -> str:
         if list(self.type_of(x).shape) == list(shape):

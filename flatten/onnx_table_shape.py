@@ -324,7 +324,11 @@ def _numel(shape: list[Dim]) -> Dim:
 @onnx_op("GatherElements")
 def _gather_elements(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]) -> list[Any]:
     x, idx = cv.tensor(ins[0]), cv.tensor(ins[1])
-    return [cv.emit("gather", [x, idx], {"dim": int(attrs.get("axis", 0)) % cv.type_of(x).rank})]
+    axis = int(attrs.get("axis", 0)) % cv.type_of(x).rank
+    size = cv.type_of(x).shape[axis]
+    if isinstance(size, int):  # ONNX counts negative indices from the end
+        idx = cv.emit("where", [cv.emit("lt", [idx], {"scalar": 0}), cv.emit("add", [idx], {"scalar": size}), idx])
+    return [cv.emit("gather", [x, idx], {"dim": axis})]
 
 
 @onnx_op("Expand")
