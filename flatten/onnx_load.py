@@ -31,8 +31,12 @@ def default_opset(model: Any) -> int:
 
 def load_onnx(path: str | Path) -> Any:
     """ModelProto of ``path`` with external data loaded; OnnxImportError on anything unusable."""
-    import onnx
-    from google.protobuf.message import DecodeError
+    try:
+        import onnx
+        from google.protobuf.message import DecodeError
+    except ImportError as e:
+        raise OnnxImportError(f"{path}: reading ONNX files needs the onnx package ({e}); "
+                              "pip install 'portlayer[onnx]'") from None
 
     p = Path(path)
     if not p.is_file():
