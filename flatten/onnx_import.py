@@ -94,6 +94,7 @@ class OnnxConverter:
         self._arrays: list[np.ndarray] = []
         self._const_names: dict[int, str] = {}
         self._anon = 0
+        self._source = "<top level>"
 
     # ---- helpers used by handlers ---------------------------------------------------------
     def fail(self, why: str) -> UnmappedOnnxOpError:
@@ -106,7 +107,7 @@ class OnnxConverter:
 
     def emit(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None) -> str:
         name = _py_name(self.node.name or self.node.op_type)
-        meta = {"source": f"onnx:{self.node.name or self.node.op_type}", "onnx_node": self.position}
+        meta = {"source": self._source, "onnx_node": f"{self.position}:{self.node.name or self.node.op_type}"}
         return self.b.add1(op, inputs, attrs, name=name, meta=meta)
 
     def tensor(self, v: Any) -> str:
@@ -168,6 +169,7 @@ class OnnxConverter:
             self.env[vi.name] = self.b.add_input(_py_name(vi.name), _value_type(vi, self.where))
         for i, node in enumerate(g.node):
             self.node, self.position = node, i
+            self._source = module_path(node)
             if node.domain not in ("", "ai.onnx"):
                 raise self.fail(f"custom domain {node.domain!r} is not supported")
             ins = [self.env[x] if x else None for x in node.input]
@@ -222,6 +224,23 @@ def fold_constant(node: Any, ins: list[Any], opset: int) -> list[Any]:
     m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
     res = ReferenceEvaluator(m).run(None, feeds)
     return [np.asarray(r) for r in res]
+
+
+def module_path(node: Any) -> str:
+    """The torch module a node was exported from ('model.layers.0.self_attn'), for readable names.
+
+    The dynamo exporter records ``pkg.torch.onnx.name_scopes`` (a list of scope names, read here as
+    quoted strings, never evaluated); the TorchScript exporter names nodes '/model/layers.0/.../MatMul'.
+    """
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            scopes = re.findall(r"'([^']*)'", p.value)
+            if len(scopes) >= 2:
+                return scopes[-2] or "<top level>"
+    if node.name.startswith("/"):
+        parts = [x for x in node.name.split("/") if x][:-1]
+        return ".".join(parts) if parts else "<top level>"
+    return "<top level>"
 
 
 def _value_type(vi: Any, where: str) -> TensorType:

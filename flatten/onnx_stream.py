@@ -98,7 +98,8 @@ def bind_stream_inputs(graph: Graph, where: str) -> Graph:
     for o in graph.outputs:  # [1, num_tokens, ...] -> [num_tokens, ...]: the stream has no batch axis
         t = b.types[env[o]]
         if t.rank >= 2 and t.shape[0] == 1 and t.shape[1] == TOKENS:
-            outs.append(b.add1("reshape", [env[o]], {"shape": list(t.shape[1:])}, name=f"{o}_stream"))
+            src = next((n.meta for n in reversed(b.graph.nodes) if n.outputs[0].name == env[o]), {})
+            outs.append(b.add1("reshape", [env[o]], {"shape": list(t.shape[1:])}, name=f"{o}_stream", meta=dict(src)))
         else:
             outs.append(env[o])
     b.graph.outputs = outs
