@@ -44,7 +44,13 @@ def check_stream(faithful: Graph, stream: Graph, where: str, tol: float = 1e-4) 
     ref = [run_graph(faithful, faithful_feeds(faithful, s[None]))[0] for s in seqs]
     meta = AttentionMetadata.from_lens([len(s) for s in seqs])
     got = interpret(stream, torch.cat(seqs), attn_metadata=meta)
-    pooled = got.shape[0] == len(seqs)
+    total = sum(len(s) for s in seqs)
+    pooled = stream.find("pooling") != [] and got.shape[0] == len(seqs)
+    if not pooled and got.shape[0] != total:
+        raise OnnxImportError(
+            f"{where}: the graph's output has {got.shape[0]} rows for a stream of {total} tokens in {len(seqs)} "
+            "sequences: it reduces across tokens (e.g. pooling written as ONNX ops), which the token-stream form "
+            "cannot express per sequence. Export the model without its pooling head, or import with stream=False.")
     start = 0
     for k, (s, r) in enumerate(zip(seqs, ref)):
         g = got[k] if pooled else got[start:start + len(s)]

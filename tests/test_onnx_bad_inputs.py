@@ -86,3 +86,18 @@ def test_cli_prints_the_error_without_traceback(tmp_path: Path, capsys, case: st
     assert main(["inspect", str(p)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and str(p) in err
+
+
+def test_reduction_across_tokens_is_refused_for_the_stream(tmp_path: Path) -> None:
+    """Mean pooling written as ONNX ops sums over the whole packed stream: the self-check refuses it."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    emb = numpy_helper.from_array(np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32), "emb")
+    nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["h"], name="lookup"),
+             helper.make_node("ReduceMean", ["h"], ["y"], name="pool", axes=[1], keepdims=0)]
+    p = tmp_path / "pooled.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [ids], [y], [emb]),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(p))
+    assert import_onnx(p, stream=False).outputs  # the faithful graph is fine
+    with pytest.raises(OnnxImportError, match="reduces across tokens"):
+        import_onnx(p)
