@@ -70,7 +70,7 @@ def mapped_ops() -> list[str]:
 
 
 def _fill() -> None:
-    from portlayer.flatten import onnx_table, onnx_table_shape  # noqa: F401  (fill _TABLE)
+    from portlayer.flatten import onnx_table, onnx_table_index, onnx_table_shape  # noqa: F401  (fill _TABLE)
 
 
 def sym_name(name: str) -> str:
