@@ -353,6 +353,11 @@ def capture(
     from portlayer.flatten.patterns import raise_patterns as run_patterns
 
     say = progress or (lambda _msg: None)
+    if isinstance(model, (str, os.PathLike)) and str(model).lower().endswith(".onnx"):  # an ONNX file
+        from portlayer.flatten.onnx_import import import_onnx
+
+        say(f"importing ONNX {model}")
+        return import_onnx(model, verify=verify)
     st_info: SentenceTransformerInfo | None = None
     source = None
     if isinstance(model, (str, os.PathLike)):

@@ -82,6 +82,13 @@ def _model_source(model: Any) -> ModelSource:
     if isinstance(model, (str, os.PathLike)):
         from portlayer.builtin_models import resolve_model
 
+        if str(model).lower().endswith(".onnx"):  # an ONNX file: capture() imports it (flatten/onnx_import.py)
+            from portlayer.flatten.onnx_load import OnnxImportError, onnx_file_hash
+
+            onnx_path = Path(model).expanduser()
+            if not onnx_path.is_file():
+                raise OnnxImportError(f"{onnx_path}: no such ONNX file")
+            return ModelSource(str(model), onnx_path, onnx_file_hash(onnx_path))
         path = resolve_model(str(model))
         if (path / "graph.json").is_file() and not (path / "config.json").is_file():
             from portlayer.flatten.serialize import GraphFileError, load_graph

@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = (
     "portlayer.cli_run",
     "portlayer.cli_serve",
     "portlayer.cli_tune",
+    "portlayer.cli_mlir",
 )
 
 #: exit status of a process killed by SIGPIPE, as shells report it (what `cat` gives under `| head`)

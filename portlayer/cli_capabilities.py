@@ -100,6 +100,10 @@ def load_requirements(model: str, capture: bool = False):
     from portlayer.errors import UsageError
 
     path = Path(model)
+    if path.suffix.lower() == ".onnx":  # an ONNX file: its imported graph
+        from portlayer.flatten.onnx_import import import_onnx
+
+        return ModelRequirements.from_graph(import_onnx(path), name=model)
     from portlayer.flatten.gguf_source import find_gguf
 
     if path.exists() and find_gguf(path) is not None:  # a .gguf: its converted HF directory
