@@ -23,10 +23,11 @@ from portlayer.passes.memory_plan import memory_plan
 from portlayer.passes.precision import precision
 from portlayer.passes.quantize import quantize
 from portlayer.passes.select import select
+from portlayer.passes.shard import shard
 
 PassFn = Callable[[Graph, PassContext], Graph]
 PASSES: list[tuple[str, PassFn]] = [
-    ("dce", dce), ("cse", cse), ("fold", fold), ("precision", precision), ("quantize", quantize),
+    ("shard", shard), ("dce", dce), ("cse", cse), ("fold", fold), ("precision", precision), ("quantize", quantize),
     ("select", select), ("fuse", fuse), ("memory_plan", memory_plan),
 ]  # fmt: skip
 
