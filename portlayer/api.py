@@ -113,6 +113,18 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool
     return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
+def _tp_option(value: int | str) -> int | str:
+    if str(value) == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise CompileError(f"--tensor-parallel {value!r}: use a positive number of ranks, or auto")
+    return n
+
+
 def compile(  # noqa: A001 - the public name users expect
     model: str | os.PathLike[str] | torch.nn.Module | Graph,
     target: str | os.PathLike[str] | Descriptor = "auto",
@@ -122,12 +134,14 @@ def compile(  # noqa: A001 - the public name users expect
     progress: bool = True,
     strict: bool = False,
     verify: bool = True,
+    tensor_parallel: int | str | None = None,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
     ``model``: a local HF directory, a saved Flat IR directory (graph.json), a built-in name (tiny-qwen3, all-minilm-l6-v2), an
     nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
-    descriptor .json path. A compile whose key is already cached returns at once.
+    descriptor .json path. ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). A compile
+    whose key is already cached returns at once.
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
@@ -141,6 +155,8 @@ def compile(  # noqa: A001 - the public name users expect
     options = _options(dtype, quantize, strict)  # strict: refuse a lossy format below the quality gate
     if not verify:  # skip the capture self-check (flatten/selfcheck.py); keyed apart in the cache
         options["verify"] = False
+    if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
+        options["tensor_parallel"] = _tp_option(tensor_parallel)
     desc = resolve_target(target)
     src = _model_source(model)
     key = cache.cache_key(src.sha256, desc.sha256, options)
