@@ -104,6 +104,9 @@ class ProxyExecutable:
         self.inner, self.control, self.world, self.watchdog = inner, control, world, watchdog
         self.device, self.dtype, self.input_names = inner.device, inner.dtype, inner.input_names
         self.closed = False
+        self.in_step = False
+        if watchdog is not None:
+            watchdog.busy = lambda: self.in_step
         atexit.register(self.close)
 
     def __getattr__(self, name: str) -> Any:  # anything else an executable offers (e.g. graph) is rank 0's
@@ -120,6 +123,7 @@ class ProxyExecutable:
         if self.closed:
             raise TensorParallelGroupError("the group was closed; open the artifact again")
         self._check()
+        self.in_step = True
         try:
             step = ({k: v.cpu() for k, v in feeds.items()}, _to(attn_metadata, "cpu"), _kv_layout(kv_caches))
             self._send(("step", step))
@@ -127,10 +131,13 @@ class ProxyExecutable:
         except TensorParallelGroupError:
             raise
         except Exception as e:
+            time.sleep(0.3)  # let the watchdog name the rank that died
             self._check()
             if _is_comm_error(e):
                 raise TensorParallelGroupError(f"a collective failed on rank 0 ({type(e).__name__}: {str(e)[:300]})") from e
             raise
+        finally:
+            self.in_step = False
 
     def _check(self) -> None:
         if self.watchdog is not None and self.watchdog.failure:
@@ -189,11 +196,13 @@ def worker_loop(inner: Any, control: Any, device: Any) -> None:
 # ---- launching ranks from a plain process ----------------------------------------------------------------
 class Watchdog(threading.Thread):
     """Rank 0's eye on its worker processes: a dead one fails the group within a fraction of a second
-    (rank 0 raises at its next step or collective); if rank 0 is stuck, the process exits after a grace."""
+    (rank 0 raises at its next step, or its collective fails); if rank 0 stays stuck inside a step,
+    the process exits after a grace period instead of waiting for the collective timeout."""
 
     def __init__(self, procs: list[Any]) -> None:
         super().__init__(name="portlayer-tp-watchdog", daemon=True)
         self.procs, self.failure, self.handled, self.stopping = procs, "", False, False
+        self.busy: Any = lambda: True  # the proxy reports whether rank 0 is inside a step
 
     def run(self) -> None:
         while not self.stopping:
@@ -204,7 +213,7 @@ class Watchdog(threading.Thread):
                                     "the other ranks are stopped")
                     self._terminate()
                     deadline = time.monotonic() + WATCHDOG_GRACE_S
-                    while time.monotonic() < deadline and not self.handled and not self.stopping:
+                    while not self.handled and not self.stopping and (time.monotonic() < deadline or not self.busy()):
                         time.sleep(0.05)
                     if not self.handled and not self.stopping:
                         print(f"portlayer: tensor-parallel group failed: {self.failure}", file=sys.stderr, flush=True)
