@@ -7,8 +7,8 @@ between kernels, over the default process group the launcher created with the de
 - ``torch.distributed_inplace`` (torch family, for Triton targets, like ``vendor_gemm``: a host call
   between the generated kernels, not a kernel): the collective runs *in place on the planned arena
   buffer* (``out.copy_(x); dist.all_reduce(out)``), no allocation per step, so a CUDA graph can
-  capture it with NCCL. all_gather along the last dim goes through a [world, rows, cols] staging
-  tensor (dist.all_gather_into_tensor gathers along dim 0 only).
+  capture it with NCCL. all_gather along the last dim goes through a [world * rows, cols] staging
+  tensor (dist.all_gather_into_tensor gathers along dim 0 only), permuted into the planned buffer.
 """
 
 from __future__ import annotations
@@ -59,10 +59,11 @@ def host_collective(ctx: GenContext, group: KernelGroup) -> GroupCode:
         return GroupCode([], [f"{out}.copy_({x})"], [out])
     staged = f"{out}_parts"
     perm = ", ".join(str(i) for i in [*range(1, axis + 1), 0, *range(axis + 1, rank + 1)])
-    lines = [
-        f"{staged} = {x}.new_empty(({world},) + tuple({x}.shape))",
-        f"torch.distributed.all_gather_into_tensor({staged}, {x}.contiguous())",
-        f"{out}.copy_({staged}.permute({perm}).reshape({out}.shape))" if axis else
+    lines = [  # ranks' pieces concatenated along dim 0 (the layout every backend accepts), then moved to `axis`
+        f"{staged} = {x}.new_empty(({world} * {x}.shape[0],) + tuple({x}.shape[1:]))",
+        f"(getattr(torch.distributed, 'all_gather_single', None) or torch.distributed.all_gather_into_tensor)"
+        f"({staged}, {x}.contiguous())",  # renamed in torch 2.13; the same call
+        f"{out}.copy_({staged}.view(({world},) + tuple({x}.shape)).permute({perm}).reshape({out}.shape))" if axis else
         f"{out}.copy_({staged}.reshape({out}.shape))",
     ]
     return GroupCode([], lines, [out])

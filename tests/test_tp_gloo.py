@@ -156,3 +156,34 @@ def test_tp4_qwen3_replicated_kv_heads_match_hf_and_single_rank(arts, tiny_dirs)
     torch.testing.assert_close(_logits(eng.executable, PROMPT), _logits(_exe(arts["tiny-qwen3", 1]), PROMPT),
                                atol=1e-5, rtol=1e-5)
     eng.executable.close()
+
+
+@pytest.mark.aot
+def test_triton_tp2_program_lowers_collectives_and_compiles_for_sm90(tiny_dirs, tmp_path):
+    """The sharded GEMMs and the collectives of an H200 artifact at TP 2: collectives are host calls in
+    place on planned buffers between kernels, and every kernel compiles ahead of time for sm_90. The
+    shipped H200 descriptor sends every GEMM to cuBLAS (its measured tuning); this copy of it asks for
+    Triton GEMMs so that the sharded shapes (K = 32 for the row-parallel o_proj) are generated too."""
+    import os
+    import subprocess
+    import sys
+
+    import portlayer
+    from portlayer.capabilities.descriptor import DEVICES_DIR
+
+    desc = json.loads((DEVICES_DIR / "nvidia-h200.json").read_text())
+    desc.update(name="nvidia-h200-triton-gemm", tuning={"triton_gemm_max_tokens": 1 << 20})
+    (tmp_path / "d.json").write_text(json.dumps(desc))
+    art = portlayer.compile(tiny_dirs["tiny-llama"], target=str(tmp_path / "d.json"), output=tmp_path / "h200-tp2",
+                            progress=False, tensor_parallel=2).path
+    host = (art / "host.py").read_text()
+    assert host.count("torch.distributed.all_reduce(") >= 3 and "all_gather" in host
+    kernels = json.loads((art / "kernels.json").read_text())["kernels"]
+    assert any("gemm" in k for k in kernels)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-m", "portlayer.codegen.aot", str(art), "--target", "sm90"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    report = json.loads(proc.stdout or "[]")
+    assert report and not [r for r in report if not r["ok"]], proc.stderr[-2000:]
+    assert {r["kernel"] for r in report} == set(kernels)
