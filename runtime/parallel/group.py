@@ -212,14 +212,22 @@ class Watchdog(threading.Thread):
                                     f"({'killed by signal ' + str(-p.exitcode) if p.exitcode < 0 else 'error'}); "
                                     "the other ranks are stopped")
                     self._terminate()
-                    deadline = time.monotonic() + WATCHDOG_GRACE_S
-                    while not self.handled and not self.stopping and (time.monotonic() < deadline or not self.busy()):
-                        time.sleep(0.05)
-                    if not self.handled and not self.stopping:
-                        print(f"portlayer: tensor-parallel group failed: {self.failure}", file=sys.stderr, flush=True)
-                        os._exit(1)
+                    self._settle()
                     return
             time.sleep(0.1)
+
+    def _settle(self) -> None:
+        """After a failure: leave it to rank 0 once it raised (a library caller decides), but exit the
+        process if rank 0 stays stuck in a step past the grace, or at once past it under `portlayer serve`."""
+        hard = os.environ.get("PORTLAYER_TP_EXIT_ON_FAILURE") == "1"
+        deadline = time.monotonic() + WATCHDOG_GRACE_S
+        while not self.stopping:
+            if self.handled and not hard:
+                return
+            if time.monotonic() >= deadline and (hard or self.busy()):
+                print(f"portlayer: tensor-parallel group failed: {self.failure}", file=sys.stderr, flush=True)
+                os._exit(1)
+            time.sleep(0.05)
 
     def _terminate(self) -> None:
         for p in self.procs:

@@ -31,8 +31,12 @@ def rank_executable(loaded: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
 
     graph = loaded.graph
     graph.weights = read_shard(loaded.manifest, graph, rank)
-    if loaded.descriptor.device_type == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = loaded.device
+    if dev is not None and dev.torch_device and dev.torch_device != "cpu" and not loaded.interpreted:
+        local = int(os.environ.get("LOCAL_RANK", rank))  # one accelerator per rank on this host
+        dev.index, dev.torch_device = local, f"{dev.torch_device.split(':')[0]}:{local}"
+        if dev.torch_device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.set_device(local)
     control = init_group(rank, world, torch_backend(loaded.descriptor) if not loaded.interpreted else "gloo")
     loaded.tp_rank = rank
     inner = loaded.executable()
