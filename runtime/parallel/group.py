@@ -134,7 +134,7 @@ class ProxyExecutable:
             time.sleep(0.3)  # let the watchdog name the rank that died
             self._check()
             if _is_comm_error(e):
-                raise TensorParallelGroupError(f"a collective failed on rank 0 ({type(e).__name__}: {str(e)[:300]})") from e
+                _fail(f"a collective failed on rank 0 ({type(e).__name__}: {str(e)[:300]})")
             raise
         finally:
             self.in_step = False
@@ -142,7 +142,7 @@ class ProxyExecutable:
     def _check(self) -> None:
         if self.watchdog is not None and self.watchdog.failure:
             self.watchdog.handled = True
-            raise TensorParallelGroupError(self.watchdog.failure)
+            _fail(self.watchdog.failure)
 
     def close(self) -> None:
         """Tell the workers to exit, then leave the group (atexit does it too)."""
@@ -156,15 +156,27 @@ class ProxyExecutable:
                 self._send(("stop", None))
         except Exception:  # a dead group: nothing left to tell
             pass
+        failed = bool(self.watchdog and self.watchdog.failure)
         if self.watchdog is not None:
-            self.watchdog.join_workers()
+            self.watchdog.join_workers(0.5 if failed else 5.0)
         try:
             import torch.distributed as dist
 
-            if dist.is_initialized():
+            if dist.is_initialized() and not failed:  # a failed gloo group can take seconds to tear down
                 dist.destroy_process_group()
         except Exception:  # leaving a failed group
             pass
+
+
+def _fail(message: str) -> None:
+    """Raise the group error; under `portlayer run|serve` (PORTLAYER_TP_EXIT_ON_FAILURE=1) exit at once instead,
+    since tearing down torch and a broken gloo group can take seconds on a busy host."""
+    err = TensorParallelGroupError(message)
+    if os.environ.get("PORTLAYER_TP_EXIT_ON_FAILURE") == "1":
+        sys.stdout.flush()
+        print(err.code, file=sys.stderr, flush=True)
+        os._exit(1)
+    raise err
 
 
 def _is_comm_error(e: BaseException) -> bool:
