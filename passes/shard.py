@@ -332,7 +332,7 @@ def _shard_embeddings(g: Graph, s: _Sharder, embs: list[Node]) -> dict[str, Any]
         per, rows = s.vocab_rows(vocab)
         s.rule(w, _Rule("column", 0, rows))
         info = {"vocab_size": vocab, "vocab_per_rank": per}
-        start = VOCAB_START
+        start = VOCAB_START if len(embs) == 1 else f"{VOCAB_START}_{emb.name}"  # each table its own slice offset
         if start not in g.params:
             g.params[start] = TensorType("int64", (1,))
             g.weights[start] = torch.tensor([s.rank * per], dtype=torch.int64)

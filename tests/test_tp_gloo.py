@@ -178,7 +178,7 @@ def test_triton_tp2_program_lowers_collectives_and_compiles_for_sm90(tiny_dirs, 
     from portlayer.capabilities.descriptor import DEVICES_DIR
 
     desc = json.loads((DEVICES_DIR / "nvidia-h200.json").read_text())
-    desc.update(name="nvidia-h200-triton-gemm", tuning={"triton_gemm_max_tokens": 1 << 20})
+    desc.update(name="nvidia-h200-triton-gemm", tuning={**desc.get("tuning", {}), "triton_gemm_max_tokens": 1 << 20})
     (tmp_path / "d.json").write_text(json.dumps(desc))
     art = portlayer.compile(tiny_dirs["tiny-llama"], target=str(tmp_path / "d.json"), output=tmp_path / "h200-tp2",
                             progress=False, tensor_parallel=2).path
@@ -187,7 +187,7 @@ def test_triton_tp2_program_lowers_collectives_and_compiles_for_sm90(tiny_dirs, 
     doc = json.loads((art / "kernels.json").read_text())
     # the kernels tensor parallelism changes: the sharded GEMMs and the vocab-mask pointwise kernels (the
     # others are the single-device ones, compiled by tests/test_triton_aot.py)
-    kernels = {k: v for k, v in doc["kernels"].items() if v["family"] in ("gemm", "pointwise")}
+    kernels = {k: v for k, v in doc["kernels"].items() if v["family"] in ("gemm", "gemv", "pointwise")}
     assert any(v["family"] == "gemm" for v in kernels.values())
     sub = tmp_path / "tp-kernels"
     (sub / "kernels").mkdir(parents=True)

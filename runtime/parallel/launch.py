@@ -8,6 +8,7 @@ exit 0). In a plain process rank 0 spawns ranks 1..N-1 itself (torch.multiproces
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from portlayer.runtime.parallel.group import (
@@ -71,7 +72,14 @@ def start_executable(loaded: Any) -> Any:
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         watchdog = Watchdog(procs)
         watchdog.start()
-        inner, control, _ = rank_executable(loaded, 0, world)
+        try:
+            inner, control, _ = rank_executable(loaded, 0, world)
+        except Exception as e:  # the rendezvous failed: say which rank, not only what gloo saw
+            time.sleep(0.5)
+            watchdog.handled = watchdog.stopping = True
+            watchdog.join_workers(0.5)
+            why = watchdog.failure or f"{type(e).__name__}: {str(e)[:300]}"
+            raise TensorParallelGroupError(f"the {world} ranks did not start ({why})") from e
         proxy = ProxyExecutable(inner, control, world, watchdog)
     _ACTIVE.update(proxy=proxy, path=str(loaded.path))
     return proxy
