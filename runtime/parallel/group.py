@@ -76,6 +76,9 @@ def init_group(rank: int, world: int, backend: str) -> Any:
     no timeout worth speaking of: a worker waits there while rank 0 is idle)."""
     import torch.distributed as dist
 
+    if dist.is_initialized() and not launched_by_torchrun():
+        raise TensorParallelGroupError("this process already belongs to a torch.distributed process group; close "
+                                       "the previous tensor-parallel executable (executable.close()) first")
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s()))
@@ -162,7 +165,7 @@ class ProxyExecutable:
         try:
             import torch.distributed as dist
 
-            if dist.is_initialized() and not failed:  # a failed gloo group can take seconds to tear down
+            if dist.is_initialized():  # also after a failure: the next group of this process needs a fresh start
                 dist.destroy_process_group()
         except Exception:  # leaving a failed group
             pass
@@ -214,7 +217,7 @@ class Watchdog(threading.Thread):
     def __init__(self, procs: list[Any]) -> None:
         super().__init__(name="portlayer-tp-watchdog", daemon=True)
         self.procs, self.failure, self.handled, self.stopping = procs, "", False, False
-        self.busy: Any = lambda: True  # the proxy reports whether rank 0 is inside a step
+        self.busy: Any = lambda: False  # the proxy reports whether rank 0 is inside a step
 
     def run(self) -> None:
         while not self.stopping:
