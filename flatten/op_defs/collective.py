@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import TensorType, normalize_dim, to_sympy
 from portlayer.flatten.ops import norm_axis, op, out_numel_flops
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(PortlayerError, RuntimeError):
     """A collective ran outside a process group of the size the graph was sharded for."""
 
 
