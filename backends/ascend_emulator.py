@@ -425,8 +425,39 @@ class AscendEmulator:
             s = s.masked_fill(~allowed[None], float("-inf"))
             p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
             out[qs:qe] = torch.einsum("hls,shd->lhd", p, vf).to(query.dtype)
-        lse = torch.zeros(1, dtype=torch.float32)
+        # torch-npu 2.14.0's meta function: without softmax_lse_flag the lse output is an empty [0] float32
+        # (ascend-ops.md said shape (1,); the wheel settles it, tests/test_ascend_conformance.py)
+        lse = torch.empty(0, dtype=torch.float32)
         if softmax_lse_flag:
             raise RuntimeError(f"npu_fused_infer_attention_score: softmax_lse_flag=True is not emulated {TAG}")
         return out, lse
 
+
+    # ---- grouped matmul (MoE experts; torch_npu >= 7.0 docs, not yet in ascend-ops.md) --------------
+    def npu_grouped_matmul(self, x: list, weight: list, *, bias: list | None = None, group_list: Any = None,
+                           split_item: int = 0, group_type: int = -1, group_list_type: int = 0,
+                           output_dtype: Any = None, **quant: Any) -> list:
+        """The single-tensor form MoE uses: x = [rows [M, K]] sorted by group, weight = [W [E, K, N]],
+        group_list = int64 [E] (cumulative ends with group_list_type 0, counts with 1), group_type 0
+        (split along M), split_item 2/3 (one output [M, N]). Other forms are not emulated."""
+        self._count("npu_grouped_matmul")
+        api = "aclnnGroupedMatmulV4"
+        _check(not any(v is not None for v in (bias, *quant.values())), f"{api}: bias / quantization not emulated")
+        _check(len(x) == 1 and len(weight) == 1 and x[0].dim() == 2 and weight[0].dim() == 3,
+               f"{api}: only x=[2-D], weight=[3-D] is emulated")
+        _check(group_type == 0 and split_item in (2, 3), f"{api}: only group_type=0, split_item 2/3 is emulated")
+        a, w = x[0], weight[0]
+        _cann(a.dtype == w.dtype and a.dtype in FLOATS, api, f"x {a.dtype} and weight {w.dtype} must be one float dtype")
+        _cann(a.shape[1] == w.shape[1], api, f"x [M, {a.shape[1]}] does not match weight [E, {w.shape[1]}, N]")
+        gl = torch.as_tensor(group_list).long()
+        _check(gl.dim() == 1 and gl.numel() == w.shape[0], f"{api}: group_list must hold one entry per group")
+        ends = gl if group_list_type == 0 else torch.cumsum(gl, 0)
+        _cann(bool((ends[1:] >= ends[:-1]).all()) and int(ends[-1]) <= a.shape[0], api,
+              "group_list must be non-decreasing and end within x's rows")
+        out = torch.zeros(a.shape[0], w.shape[2], dtype=output_dtype or a.dtype)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                out[start:end] = (a[start:end].float() @ w[e].float()).to(out.dtype)
+            start = end
+        return [out]

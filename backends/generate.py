@@ -37,14 +37,16 @@ def lower_views(ctx: GenContext, group: KernelGroup) -> GroupCode:
 
 def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     """Codegen context from the Plan's launch configs and the descriptor's facts."""
-    from portlayer.codegen.gemm_rule import gemv_max_tokens, triton_gemm_max_tokens
+    from portlayer.codegen.gemm_rule import gemv_max_tokens, gemv_max_weight_bytes, triton_gemm_max_tokens
 
     launch = {}
     if plan is not None and descriptor.codegen == "triton":
         launch = plan.launch_configs
     return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
                       triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
-                      gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0)
+                      gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0,
+                      gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
+                      shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,

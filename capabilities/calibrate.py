@@ -1,139 +1,74 @@
 """Measure the present device and write a descriptor whose numbers say 'calibrated'.
 
-Datasheet peaks are upper bounds a kernel never reaches; the policy plans better on
-what the device really sustains. Fields a micro-benchmark cannot see (features,
-alignment, DMA engines, fence scope) are kept from the shipped descriptor probe matched.
+Datasheet peaks are upper bounds a kernel never reaches; the policy and the cost model plan
+better on what the device sustains. The micro-benchmarks (calibrate_memory, _launch, _gemm,
+_attention; a backend may add its own through ``extra``) fill the measured fields and the
+``calibration`` curves; fields a micro-benchmark cannot see (features, alignment, DMA engines,
+fence scope) are kept from the shipped descriptor probe matched, and their sources say so.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import math
+import importlib.metadata
 import os
 import platform
 import socket
-import time
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from portlayer.capabilities.calibrate_attention import measure_paged_attention
+from portlayer.capabilities.calibrate_gemm import (
+    MATMUL_DTYPES,
+    TORCH_DTYPES,
+    measure_matmul,
+    measure_matmuls,
+    measure_small_m,
+)
+from portlayer.capabilities.calibrate_launch import measure_launch_latency, measure_launches
+from portlayer.capabilities.calibrate_memory import (
+    cache_knee,
+    measure_bandwidth_sweep,
+    measure_copy_bandwidth,
+)
+from portlayer.capabilities.calibrate_timing import (
+    CPU_FULL,
+    CPU_QUICK,
+    CPU_SIZES,
+    GPU_FULL,
+    GPU_QUICK,
+    GPU_SIZES,
+    Progress,
+    Sizes,
+    sig,
+    time_per_iter,
+)
 from portlayer.capabilities.descriptor import deep_merge, load_descriptor, validate
 
-MATMUL_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+__all__ = [
+    "CPU_SIZES", "GPU_SIZES", "MATMUL_DTYPES", "SLOW_FRACTION", "Sizes", "calibrate", "finish", "measure_copy_bandwidth",
+    "measure_launch_latency", "measure_matmul", "time_per_iter", "versions",
+]  # fmt: skip
+
 SLOW_FRACTION = 1 / 8  # a dtype slower than this share of fp32 is emulated: listed as absent
-SIGNIFICANT = 4  # measurements keep 4 significant digits: a slow dtype on a loaded host is never rounded to 0
+#: what calibrate measures; every other field of the descriptor is kept from the shipped one
+MEASURED = ("memory.bandwidth_gbps", "memory.capacity_gb", "launch_overhead_us", "compute_units.count")
+Extra = Callable[[torch.device, Sizes, Progress, str], dict[str, Any]]  # (device, sizes, progress, base name)
 
 
-def _sig(x: float, digits: int = SIGNIFICANT) -> float:
-    """``x`` to ``digits`` significant digits; positive stays positive (round(x, 3) made 0.0004 TFLOP/s 0.0)."""
-    return float(f"{x:.{digits}g}")
+def versions() -> dict[str, str]:
+    """The toolchain the numbers hold for (a new torch or Triton can change every one)."""
+    from portlayer import __version__
 
-
-@dataclass(frozen=True)
-class Sizes:
-    copy_bytes: int
-    matmul_n: int
-    iters: int
-    warmup: int
-    launches: int
-    max_seconds_per_dtype: float
-
-
-CPU_SIZES = Sizes(copy_bytes=128 * 2**20, matmul_n=1024, iters=5, warmup=1, launches=2000, max_seconds_per_dtype=1.5)
-GPU_SIZES = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=10.0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int) -> float:
-    """Seconds per call; CUDA events on a GPU (device time), perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
-
-
-def measure_copy_bandwidth(device: torch.device, sizes: Sizes) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written (like STREAM copy)."""
-    n = sizes.copy_bytes
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    t = time_per_iter(lambda: dst.copy_(src), device, sizes.iters, sizes.warmup)
-    return 2 * n / t / 1e9
-
-
-def _matmul_fn(dtype: str, n: int, device: torch.device) -> Callable[[], Any] | None:
-    if dtype == "int8":
-        if not hasattr(torch, "_int_mm"):
-            return None
-        a = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device)
-        b = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device)
-        return lambda: torch._int_mm(a, b)
-    if dtype == "fp8":
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            return None
-        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device)
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    tdt = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    a = torch.randn(n, n, device=device, dtype=tdt)
-    b = torch.randn(n, n, device=device, dtype=tdt)
-    return lambda: torch.mm(a, b)
-
-
-def measure_matmul(device: torch.device, dtype: str, sizes: Sizes) -> float | None:
-    """Dense n^3 matmul TFLOP/s (TOP/s for int8); None when this torch/device cannot run it."""
-    if dtype == "tf32" and device.type != "cuda":
-        return None
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    out = {"torch": torch.__version__, "python": platform.python_version(), "portlayer": __version__}
     try:
-        n = sizes.matmul_n
-        fn = _matmul_fn(dtype, n, device)
-        if fn is None:
-            return None
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        first = time.perf_counter() - t0
-        iters = max(1, min(sizes.iters, int(sizes.max_seconds_per_dtype / max(first, 1e-6))))
-        t = time_per_iter(fn, device, iters, min(sizes.warmup, iters))
-        return 2 * n**3 / t / 1e12
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
-def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
-    """Host microseconds per tiny op launch (what an eager decode step pays per kernel)."""
-    x = torch.zeros(1, device=device)
-    for _ in range(100):
-        x.add_(1)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(sizes.launches):
-        x.add_(1)
-    t = time.perf_counter() - t0
-    _sync(device)
-    return t / sizes.launches * 1e6
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        out["triton"] = "absent"
+    return out
 
 
 def _device_facts(device: torch.device) -> dict[str, Any]:
@@ -169,8 +104,7 @@ def _base_descriptor(device: torch.device, base: str | None) -> str:
     )
 
 
-def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes | None = None) -> dict[str, Any]:
-    """Run the micro-benchmarks on ``device`` ('cpu', 'cuda', 'cuda:1'; default: best here)."""
+def resolve_device(device: str | None) -> torch.device:
     if device is None:
         from portlayer.capabilities.probe import default_target
 
@@ -180,47 +114,98 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
         dev = torch.device("cuda", 0)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"calibrate: device {device!r} unsupported; use cpu or cuda[:N]")
-    sizes = sizes or (GPU_SIZES if dev.type == "cuda" else CPU_SIZES)
+    return dev
+
+
+def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Extra] = (), base: str = "") -> dict[str, Any]:
+    """Run every benchmark; the raw results (no descriptor yet)."""
+    sweep = measure_bandwidth_sweep(dev, sizes, progress)
+    matmul = measure_matmuls(dev, sizes, progress)
+    if "fp32" not in matmul:
+        raise RuntimeError(f"calibrate: the fp32 matmul on {dev} could not be timed; nothing to calibrate against")
+    fast = {k: v for k, v in matmul.items() if v >= matmul["fp32"] * SLOW_FRACTION}
+    wanted = ("fp32",) if dev.type == "cpu" else ("bf16", "fp16")  # the compute dtypes the policy picks there
+    curves = {k: measure_small_m(dev, k, sizes, progress) for k in wanted if k in fast}
+    small_k = max(64, sizes.gemm_k // 8)
+    small = {k: measure_small_m(dev, k, sizes, progress, small_k) for k in curves}
+    compute = next(iter(curves), "fp32")
+    attn = measure_paged_attention(dev, sizes, progress, TORCH_DTYPES[compute])
+    launch = measure_launches(dev, sizes, progress)
+    out = {"sweep": sweep, "matmul": matmul, "gemm_curves": curves, "attention": attn, "launch": launch,
+           "gemm_curves_small": small, "gemm_small_k": small_k}
+    for fn in extra:
+        try:
+            out.update(fn(dev, sizes, progress, base))
+        except Exception as e:  # a backend benchmark that breaks costs its numbers, not the calibration
+            progress.done(f"failed ({type(e).__name__}: {str(e)[:200]}); its fields keep the shipped values")
+    return out
+
+
+def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes | None = None, quick: bool = False,
+              progress: Progress | None = None, extra: list[Extra] = ()) -> dict[str, Any]:
+    """Run the micro-benchmarks on ``device`` ('cpu', 'cuda', 'cuda:1'; default: best here); a valid descriptor."""
+    dev = resolve_device(device)
+    if sizes is None:
+        sizes = (GPU_QUICK if quick else GPU_FULL) if dev.type == "cuda" else (CPU_QUICK if quick else CPU_FULL)
+    progress = progress or Progress(enabled=False)
     base_name = _base_descriptor(dev, base)
     raw = load_descriptor(base_name).raw
+    results = measure(dev, sizes, progress, extra, base_name)
+    return finish(raw, base_name, dev, sizes, results, "quick" if quick else "full")
+
+
+def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes, results: dict[str, Any],
+           mode: str = "full") -> dict[str, Any]:
+    """The calibrated descriptor: ``raw`` with the measured fields replaced, every other source marked kept."""
     facts = _device_facts(dev)
-    date = _dt.date.today().isoformat()
-    stamp = f"calibrated on {date} on {socket.gethostname()} ({facts['name']}, torch {torch.__version__})"
-
-    bandwidth = measure_copy_bandwidth(dev, sizes)
-    measured = {k: v for k in MATMUL_DTYPES
-                if (v := measure_matmul(dev, k, sizes)) is not None and math.isfinite(v) and v > 0}
-    if "fp32" not in measured:
-        raise RuntimeError(f"calibrate: the fp32 matmul on {dev} could not be timed; nothing to calibrate against")
-    floor = measured["fp32"] * SLOW_FRACTION
-    throughput = {k: v for k, v in measured.items() if v >= floor or k == "fp32"}
-    slow = {k: _sig(v) for k, v in measured.items() if k not in throughput}
-    launch_us = measure_launch_latency(dev, sizes)
-
-    sources = dict(raw["sources"])
-    for key in [k for k in sources if k.startswith("throughput_tflops")]:
-        sources[key] = sources[key] + " (datasheet; dtypes without a calibrated entry keep it)"
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    vers = versions()
+    host = socket.gethostname()
+    stamp = (f"calibrated on {host} at {date} with " + ", ".join(f"{k} {v}" for k, v in vers.items())
+             + f" ({facts['name']}, calibrate {mode})")
+    measured = results["matmul"]
+    throughput = {k: v for k, v in measured.items() if v >= measured["fp32"] * SLOW_FRACTION or k == "fp32"}
+    slow = {k: sig(v) for k, v in measured.items() if k not in throughput}
+    largest = results["sweep"][-1]
+    launch = results["launch"]
+    sources = {k: (v if v.startswith("kept from ") else f"kept from {base_name} (not measured): {v}")
+               for k, v in raw["sources"].items()}
     patch: dict[str, Any] = {
         "name": f"{base_name}-calibrated",
-        "display_name": f"{facts['name']} (calibrated {date})",
-        "memory": {"bandwidth_gbps": _sig(bandwidth)},
-        "throughput_tflops": {k: _sig(v) for k, v in throughput.items()},
-        "launch_overhead_us": _sig(launch_us),
+        "display_name": f"{facts['name']} (calibrated {date[:10]})",
+        "memory": {"bandwidth_gbps": sig(largest["copy_gbps"])},
+        "throughput_tflops": {k: sig(v) for k, v in throughput.items()},
+        "launch_overhead_us": sig(launch["eager_us"]),
         "compute_units": {"count": int(facts["units"])},
+        "notes": f"{stamp}. Fields whose source says 'kept from {base_name}' were not measured.",
         "calibration": {
-            "date": date, "device": facts["name"], "torch": torch.__version__, "host": socket.gethostname(),
-            "copy_bytes": sizes.copy_bytes, "matmul_n": sizes.matmul_n, "base_descriptor": base_name,
-            "emulated_dtypes_tflops": slow,
+            "date": date, "host": host, "device": facts["name"], "versions": vers, "mode": mode,
+            "base_descriptor": base_name, "copy_bytes": sizes.copy_bytes, "matmul_n": sizes.matmul_n,
+            "emulated_dtypes_tflops": slow, "bandwidth_sweep": results["sweep"],
+            "cache_knee_bytes": cache_knee(results["sweep"]),
+            "launch_us": {k: (sig(v) if v is not None else None) for k, v in launch.items()}
+            | ({"triton_us": results["triton_launch_us"]} if results.get("triton_launch_us") else {}),
+            "gemm_curves": results["gemm_curves"], "gemm_k": sizes.gemm_k, "attention": results["attention"],
+            "gemm_curves_small": results.get("gemm_curves_small", {}), "gemm_small_k": results.get("gemm_small_k"),
+            "torch": vers["torch"],
         },  # fmt: skip
     }
-    sources["memory.bandwidth_gbps"] = f"{stamp}: device-to-device copy of {sizes.copy_bytes} B, (read+write) bytes / time"
+    for key in ("gemm_crossover", "tuning"):
+        if key in results:
+            patch["calibration"][key] = results[key]
+    sources["memory.bandwidth_gbps"] = f"{stamp}: device-to-device copy of {largest['bytes']} B, (read+write) bytes / time"
     for k in throughput:
-        sources[f"throughput_tflops.{k}"] = f"{stamp}: {sizes.matmul_n}^3 matmul"
-    sources["launch_overhead_us"] = f"{stamp}: host time per tiny torch op"
+        sources[f"throughput_tflops.{k}"] = f"{stamp}: {sizes.matmul_n}^3 matmul, median of {sizes.reps}"
+    sources["launch_overhead_us"] = f"{stamp}: host time per tiny torch op launched eagerly"
     sources["compute_units.count"] = f"{stamp}: reported by the runtime"
     if facts.get("memory_bytes"):
-        patch["memory"]["capacity_gb"] = _sig(facts["memory_bytes"] / 1e9)
+        patch["memory"]["capacity_gb"] = sig(facts["memory_bytes"] / 1e9)
         sources["memory.capacity_gb"] = f"{stamp}: total memory reported by the runtime"
+    for key, what in (("triton_gemm_max_tokens", "vendor GEMM vs generated Triton GEMM crossover in M"),
+                      ("gemv_max_tokens", "few-rows (gemv) kernel vs both GEMMs crossover in M")):
+        if results.get(key) is not None:
+            patch.setdefault("tuning", {})[key] = int(results[key])
+            sources[f"tuning.{key}"] = f"{stamp}: {what} (calibration.gemm_crossover)"
     if dev.type == "cpu":
         patch["features"] = sorted(set(raw["features"]) | set(_cpu_features()))
         sources["features"] = f"{stamp}: /proc/cpuinfo flags"
@@ -231,3 +216,11 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
     out["sources"] = sources
     validate(out, origin=f"calibration of {facts['name']}")
     return out
+
+
+def run_cli(device: str | None, base: str | None, quick: bool, extra: list[Extra] = ()) -> dict[str, Any]:
+    """What `portlayer calibrate` runs: progress on stderr, a total at the end."""
+    progress = Progress(stream=sys.stderr)
+    desc = calibrate(device, base=base, quick=quick, progress=progress, extra=extra)
+    print(f"calibrate: done in {progress.elapsed:.1f}s ({'quick' if quick else 'full'})", file=sys.stderr)
+    return desc

@@ -31,6 +31,13 @@ def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
+def system_memory_bytes() -> int:
+    """Physical memory of this host (what an iGPU with unified memory shares)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -227,6 +234,11 @@ class _Negotiation:
             return
         frac, frac_why = self.usable_fraction()
         usable = d.memory.capacity_bytes * frac
+        if d.memory.unified_with_host and d.device_type != "cpu":  # an iGPU: its memory IS system memory
+            ram = system_memory_bytes()
+            usable = min(ram, d.memory.capacity_bytes) * frac
+            frac_why = (f"{frac_why}; unified memory: min({_gib(ram)} system memory on this host, the descriptor's "
+                        f"{_gib(d.memory.capacity_bytes)} driver share)")
         q = self.v["weight_quantization"]
         weights = r.param_bytes_at(q if q in ("int8", "int4") else dt) // self.v.get("tensor_parallel", 1)  # per rank
         act = 2 * self.v["max_batched_tokens"] * self.activation_bytes_per_token()
@@ -304,6 +316,11 @@ class _Negotiation:
                  f"few-rows GEMM: column blocks sized for >= 2 programs per compute unit ({cus} units); a W tile of "
                  f"<= 4096 elements (32 float32 products per thread of 128) / {scale}")  # fmt: skip
         self._attention(smem, item, warps, scale, hd)
+        # launch configs measured on this device (capabilities/tuning.py); none: the defaults above
+        from portlayer.capabilities.tuning import apply_tuning, shape_key
+
+        self.out[:] = apply_tuning(self.out, d, shape_key(r, self.v["compute_dtype"]))
+        self.v.update({x.name: x.value for x in self.out})
 
     def _gemm(self, smem: int, item: float, warps: Any, scale: str) -> None:
         for bm, bn, bk in ((128, 128, 64), (128, 64, 64), (64, 64, 64), (64, 64, 32), (32, 32, 32)):

@@ -98,6 +98,12 @@ class ModelRequirements:
         windows = [n.attrs.get("sliding_window") for n in attn if n.attrs.get("sliding_window")]
         task = meta.get("task", "causal_lm")
         kv = 2 * num_kv * (head_dims[-1] if head_dims else 0) * ITEMSIZE[dtype] if task == "causal_lm" else 0
+        mla = graph.find("mla_attention")
+        if mla and task == "causal_lm":  # MLA's latent cache: kv_lora_rank + rope per token, no values
+            a = mla[0].attrs
+            head_dims = [int(a["qk_nope_head_dim"]) + int(a["qk_rope_head_dim"])]
+            num_kv, num_heads = 1, int(a["num_heads"])
+            kv = (int(a["kv_lora_rank"]) + int(a["qk_rope_head_dim"])) * ITEMSIZE[dtype]
         flops, moved = linear_flops, param_bytes
         try:
             from portlayer.flatten.ops import graph_cost

@@ -4,7 +4,11 @@
 kernel listed in ARTIFACT_DIR/kernels.json with triton.compile and prints a JSON report
 (binary kind and size, shared memory, registers where reported). It runs as its own
 process because Triton fixes interpreted-or-compiled when triton.language is imported.
-Intel XPU cannot be compiled here: PyPI Triton ships only the nvidia and amd backends.
+
+``--write-binaries`` (one target) also writes each kernel's binary to ARTIFACT_DIR/binaries/ and
+the launch metadata to ARTIFACT_DIR/binaries.json (codegen/kernel_binaries.py loads them), compiling
+kernels in parallel (``--jobs``). PyPI Triton ships the nvidia and amd backends; Intel XPU (SPIR-V)
+compiles through triton-xpu in its own environment (codegen/xpu_toolchain.py runs this module there).
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: descriptor device_type -> the Triton backend that compiles for it (PyPI Triton ships these two).
-TRITON_BACKENDS = {"cuda": "cuda", "rocm": "hip"}
-BINARY = {"cuda": "cubin", "hip": "hsaco"}
+from portlayer.errors import PortlayerError
+
+#: descriptor device_type -> the Triton backend that compiles for it (PyPI Triton ships cuda and hip;
+#: xpu needs triton-xpu, see codegen/xpu_toolchain.py).
+TRITON_BACKENDS = {"cuda": "cuda", "rocm": "hip", "xpu": "xpu"}
+BINARY = {"cuda": "cubin", "hip": "hsaco", "xpu": "spv"}
+BINARIES_INDEX = "binaries.json"
+
+
+class BinaryBuildError(PortlayerError):
+    """The kernels of an artifact did not compile to the target's binaries (the message has the compiler's
+    last lines and the --sources-only way out)."""
+
+BINARIES_DIR = "binaries"
 
 
 def descriptor_target(desc: Any) -> tuple[str, str, tuple[str, Any, int]] | None:
@@ -33,6 +48,10 @@ def descriptor_target(desc: Any) -> tuple[str, str, tuple[str, Any, int]] | None
         if not digits.isdigit():
             return None
         return f"sm{digits}", desc.name, ("cuda", int(digits), desc.warp_size)
+    if backend == "xpu":
+        from portlayer.codegen.xpu_toolchain import xpu_properties
+
+        return desc.arch, desc.name, ("xpu", xpu_properties(desc), desc.warp_size)
     return desc.arch, desc.name, ("hip", desc.arch, desc.warp_size)
 
 
@@ -47,7 +66,7 @@ def targets() -> dict[str, tuple[str, Any, int]]:
     out: dict[str, tuple[str, Any, int]] = {}
     for name in list_descriptors():
         t = descriptor_target(load_descriptor(name))
-        if t is not None:
+        if t is not None and t[2][0] != "xpu":  # xpu compiles only in triton-xpu's environment
             out.setdefault(t[0], t[2])
     return out
 
@@ -108,16 +127,184 @@ def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> lis
     return report
 
 
+# ---- binaries shipped in the artifact ----------------------------------------------------------------
+
+#: CUDA binaries for sm_80..sm_90 are assembled by Triton's bundled CUDA 12.9 ptxas at PTX ISA 8.8, so the
+#: cubin loads on any CUDA 12.x or newer driver (minor-version compatibility); Triton 3.9 would otherwise
+#: use its CUDA 13 ptxas for sm_90, whose cubins need a CUDA 13 driver.
+LEGACY_PTX_VERSION = 88
+CUDA_DRIVER_MIN = "12.0"
+
+
+def _ptx_params(ptx: str, entry: str) -> list[str]:
+    import re
+
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(([^)]*)\)", ptx, re.S)
+    if m is None:
+        raise RuntimeError(f"no .entry {entry} in the PTX")
+    return [re.match(r"\s*\.param\s+\.(\w+)", p)[1] for p in m[1].split(",") if p.strip()]  # type: ignore[index]
+
+
+def _amd_params(amdgcn: str) -> list[str]:
+    import re
+
+    block = amdgcn[amdgcn.find(".args:"):amdgcn.find(".group_segment_fixed_size")]
+    out = []
+    for item in block.split("- ")[1:]:
+        size = int(re.search(r"\.size:\s+(\d+)", item)[1])  # type: ignore[index]
+        out.append("ptr" if "global_buffer" in item else f"b{size * 8}")
+    return out
+
+
+def _toolchain(backend: str, arch: Any) -> dict[str, Any]:
+    import triton
+
+    tc: dict[str, Any] = {"triton": triton.__version__}
+    if backend == "cuda":
+        import subprocess
+
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        _prefer_legacy_ptxas(int(arch))
+        tool = get_ptxas(int(arch))
+        text = subprocess.run([tool.path, "--version"], capture_output=True, text=True).stdout
+        tc.update(ptxas=text.strip().splitlines()[-1] if text.strip() else "?", ptxas_version=tool.version,
+                  ptx_version=LEGACY_PTX_VERSION if int(arch) < 100 else None,
+                  cuda_driver_min=CUDA_DRIVER_MIN if int(arch) < 100 else tool.version.rsplit(".", 1)[0])
+    elif backend == "hip":
+        tc.update(linker="triton's in-process amd.link_hsaco (no ROCm install)")
+    return tc
+
+
+def _prefer_legacy_ptxas(arch: int) -> None:
+    """Point Triton's sm_90+ ptxas at its bundled CUDA 12.9 one (see LEGACY_PTX_VERSION)."""
+    if arch < 100:
+        from triton import knobs
+
+        os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = knobs.nvidia.ptxas.path
+
+
+def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> dict[str, Any]:
+    """Worker: one kernel for one target; writes the binary, returns its launch record."""
+    import hashlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    artifact, name, k, (backend, arch, warp) = job
+    art = Path(artifact)
+    t0 = time.time()
+    opts: dict[str, Any] = {"num_warps": k["num_warps"], "num_stages": k["num_stages"]}
+    if backend == "cuda":
+        _prefer_legacy_ptxas(int(arch))
+        if int(arch) < 100:
+            opts["ptx_version"] = LEGACY_PTX_VERSION
+    mod = _module(art / "kernels" / f"{k['module']}.py")
+    src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=dict(k["signature"]),
+                                    constexprs=dict(k["constexprs"]))
+    c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=opts)
+    md = c.metadata
+    binary = c.asm[BINARY[backend]]
+    data = binary if isinstance(binary, bytes) else binary.encode()
+    rel = f"{BINARIES_DIR}/{name}.{BINARY[backend]}"
+    (art / rel).write_bytes(data)
+    if backend == "cuda":
+        params = _ptx_params(c.asm["ptx"], md.name)
+    elif backend == "hip":
+        params = _amd_params(c.asm["amdgcn"])
+    else:
+        params = None
+    return {"kernel": name, "file": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+            "entry": md.name, "num_warps": md.num_warps, "num_stages": k["num_stages"], "warp_size": warp,
+            "shared": md.shared, "global_scratch_size": getattr(md, "global_scratch_size", 0) or 0,
+            "global_scratch_align": getattr(md, "global_scratch_align", 1) or 1,
+            "profile_scratch_size": getattr(md, "profile_scratch_size", 0) or 0, "params": params,
+            "args": [[a, t] for a, t in k["signature"].items()],  # a list: argument ORDER is the launch ABI
+            "constexprs": k["constexprs"], "seconds": round(time.time() - t0, 3)}
+
+
+def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | None = None) -> dict[str, Any]:
+    """Compile every kernel of ``artifact`` for ``target`` in parallel; write binaries/ and binaries.json."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    info = json.loads((artifact / "kernels.json").read_text())["kernels"]
+    (artifact / BINARIES_DIR).mkdir(exist_ok=True)
+    backend, arch, warp = target
+    work = [(str(artifact), name, k, target) for name, k in sorted(info.items())]
+    n = max(1, min(jobs or os.cpu_count() or 1, len(work), 16))
+    t0 = time.time()
+    if n == 1:
+        records = [_compile_one(w) for w in work]
+    else:
+        with ProcessPoolExecutor(max_workers=n) as pool:
+            records = list(pool.map(_compile_one, work))
+    index = {"format": "portlayer-binaries/1", "kind": BINARY[backend],
+             "target": {"backend": backend, "arch": arch, "warp_size": warp},
+             "toolchain": _toolchain(backend, arch), "jobs": n, "seconds": round(time.time() - t0, 3),
+             "kernels": {r.pop("kernel"): r for r in records}}
+    (artifact / BINARIES_INDEX).write_text(json.dumps(index, indent=1))
+    return index
+
+
+def build_binaries(artifact: Path, desc: Any, jobs: int | None = None, timeout: float = 900) -> list[Path] | None:
+    """Compile the kernels of a just-generated artifact directory for ``desc`` in a child process (Triton
+    must not be in interpreter mode; XPU runs in triton-xpu's environment). Returns the files written
+    (binaries/*, binaries.json), or None when ``desc`` is not a Triton GPU target. A failed compile raises:
+    an artifact for a GPU target never silently ships without its binaries."""
+    import subprocess
+
+    t = descriptor_target(desc)
+    if t is None or not (artifact / "kernels.json").is_file():
+        return None
+    backend, arch, warp = t[2]
+    args = [str(artifact), "--target-json", json.dumps([backend, arch, warp]), "--write-binaries"]
+    if jobs:
+        args += ["--jobs", str(jobs)]
+    if backend == "xpu":
+        from portlayer.codegen.xpu_toolchain import XPUToolchainError, run_aot
+
+        try:
+            r = run_aot(args, timeout=timeout)
+        except XPUToolchainError as e:
+            raise BinaryBuildError(str(e)) from None
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        r = subprocess.run([sys.executable, "-m", "portlayer.codegen.aot", *args], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    if r.returncode:
+        lines = [x for x in (r.stderr or r.stdout).strip().splitlines() if "Warning" not in x and "warn_once" not in x]
+        raise BinaryBuildError(f"compiling the {BINARY[backend]} kernel binaries for {desc.name} failed (rc {r.returncode}):\n"
+                           + "\n".join(lines[-15:]) + "\nCompile with --sources-only to ship the kernel sources only "
+                           "(JIT-compiled on the device).")
+    index = json.loads((artifact / BINARIES_INDEX).read_text())
+    return [artifact / BINARIES_INDEX] + [artifact / k["file"] for k in index["kernels"].values()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--target", action="append", default=[],
                     help=f"{' | '.join(sorted(targets()))} | a descriptor name | backend:arch:warp (default: all)")
+    ap.add_argument("--target-json", default=None, help='one target as JSON [backend, arch, warp_size]')
+    ap.add_argument("--write-binaries", action="store_true", help="write binaries/ + binaries.json (one --target)")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile ahead of time", file=sys.stderr)
         return 2
-    report = compile_artifact(args.artifact, [parse_target(t) for t in args.target or list(targets())])
+    if args.target_json:
+        args.target = [tuple(json.loads(args.target_json))]
+    if args.write_binaries:
+        if len(args.target) != 1:
+            print("--write-binaries takes exactly one --target", file=sys.stderr)
+            return 2
+        tgt = args.target[0]
+        index = write_binaries(args.artifact, tgt if isinstance(tgt, tuple) else parse_target(tgt), args.jobs)
+        print(json.dumps({"kind": index["kind"], "kernels": len(index["kernels"]), "seconds": index["seconds"],
+                          "toolchain": index["toolchain"]}))
+        return 0
+    report = compile_artifact(args.artifact, [t if isinstance(t, tuple) else parse_target(t)
+                                              for t in args.target or list(targets())])
     print(json.dumps(report))
     return 0 if all(r["ok"] for r in report) else 1
 

@@ -8,7 +8,9 @@ i.e. the vendor GEMM, which is the safe default for a device nobody measured.
 
 Below both, ``tuning.gemv_max_tokens``: at or below it (decode) the few-rows kernel
 (templates/triton/gemv.py.j2) runs, which reads the weight once on the CUDA cores instead of
-padding the rows to a tensor-core tile; weight-only quantized linears use it too.
+padding the rows to a tensor-core tile; weight-only quantized linears use it too. Weights above
+``tuning.gemv_max_weight_mib`` (a vocabulary projection, say) keep the vendor GEMM at every row
+count: where one launch streams hundreds of megabytes, cuBLAS's GEMV reads faster.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ def gemv_max_tokens(descriptor: Any) -> int:
     """The descriptor's measured few-rows crossover ($.tuning.gemv_max_tokens), else 0 (never)."""
     tuning = getattr(descriptor, "tuning", None) or {}
     return int(tuning.get("gemv_max_tokens", 0))
+
+
+def gemv_max_weight_bytes(descriptor: Any) -> int:
+    """The largest weight the few-rows kernel takes ($.tuning.gemv_max_weight_mib), else 0 (any)."""
+    tuning = getattr(descriptor, "tuning", None) or {}
+    return int(float(tuning.get("gemv_max_weight_mib", 0)) * 2**20)
 
 
 def triton_gemm_max_tokens(descriptor: Any) -> int:

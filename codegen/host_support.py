@@ -52,10 +52,11 @@ def ref(op: str, inputs: Sequence[Any], attrs: Mapping[str, Any], st: StepState)
     return get_op(op).reference(list(inputs), attrs, ctx)
 
 
-def load_kernels(directory: Path, names: Sequence[str], sources: Any = None) -> SimpleNamespace:
+def load_kernels(directory: Path, names: Sequence[str], sources: Any = None, device: Any = None) -> SimpleNamespace:
     """Execute each kernels/<name>.py from ``sources`` (codegen/source_loader.VerifiedSources: the
     bytes checked at load time; read from ``directory`` once when not given), never importing
     the file. Triton reads each kernel's source through linecache, where the loader put it."""
+    from portlayer.codegen.kernel_binaries import bind
     from portlayer.codegen.source_loader import module_name, read_directory
 
     directory = Path(directory).resolve()
@@ -67,7 +68,7 @@ def load_kernels(directory: Path, names: Sequence[str], sources: Any = None) -> 
         for attr in dir(mod):
             if attr.startswith(name):
                 fns[attr] = getattr(mod, attr)
-    return SimpleNamespace(**fns)
+    return SimpleNamespace(**bind(fns, src, device))  # the artifact's cubin/hsaco where the device runs them
 
 
 @dataclass
@@ -143,7 +144,7 @@ class HostProgram:
         if kernels is not None:
             self.K = kernels
         else:
-            self.K = (load_kernels(Path(kernels_dir), self.KERNELS, sources) if kernels_dir and self.KERNELS
+            self.K = (load_kernels(Path(kernels_dir), self.KERNELS, sources, self.device) if kernels_dir and self.KERNELS
                       else SimpleNamespace())
         planned = int(layout.get("max_tokens") or 0)
         if planned and max_tokens and max_tokens > planned:

@@ -241,6 +241,7 @@ from portlayer.flatten.op_defs import attention as _attention  # noqa: E402,F401
 from portlayer.flatten.op_defs import collective as _collective  # noqa: E402,F401
 from portlayer.flatten.op_defs import elementwise as _elementwise  # noqa: E402,F401
 from portlayer.flatten.op_defs import layout as _layout  # noqa: E402,F401
+from portlayer.flatten.op_defs import mla as _mla  # noqa: E402,F401
 from portlayer.flatten.op_defs import moe as _moe  # noqa: E402,F401
 from portlayer.flatten.op_defs import nn as _nn  # noqa: E402,F401
 from portlayer.flatten.op_defs import quant as _quant  # noqa: E402,F401

@@ -265,6 +265,9 @@ def raise_patterns(graph: Graph) -> Graph:
     for fn in (raise_rms_norm, raise_layer_norm, raise_gelu, raise_rope, raise_attention_chains, fold_view_chains,
                squeeze_unit_batch, fold_view_chains):
         graph = fn(graph)
+    from portlayer.flatten.mla_pattern import raise_mla
+
+    graph = raise_mla(graph)  # DeepSeek's latent attention: proven on the graph, or left expanded
     from portlayer.flatten.naming import rename_from_source
 
     return rename_from_source(dce(graph))

@@ -56,8 +56,13 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> tuple[t
 
 
 def gptq(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: int, symmetric: bool,
-         damp: float = 0.01, block: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(q int8 [N, K], scales [N, K/g], offsets [N, K/g] or None) of weight ``w`` [N, K]."""
+         damp: float = 0.01, block: int = 64, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q int8 [N, K], scales [N, K/g], offsets [N, K/g] or None) of weight ``w`` [N, K].
+
+    ``act_order``: sweep the columns by decreasing Hessian diagonal (the most active inputs
+    first, while the most columns are left to absorb their error); the groups stay contiguous
+    columns as the kernels want, so their scales are fixed up front from the float weight
+    ("static groups")."""
     W = w.detach().float().clone()
     n, k = W.shape
     qmax = 2 ** (bits - 1) - 1
@@ -68,6 +73,11 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: 
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     H += damp * torch.mean(torch.diag(H)) * torch.eye(k, dtype=H.dtype)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
+    static = None
+    if act_order:
+        static = [group_params(W[:, j:j + group_size], bits, symmetric) for j in range(0, k, group_size)]
+        W, H = W[:, perm], H[perm][:, perm]
     L = torch.linalg.cholesky(H)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
     Q = torch.zeros(n, k, dtype=torch.int8)
@@ -80,8 +90,13 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: 
         E = torch.zeros_like(W1)
         Hb = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = i1 + i
-            if col % group_size == 0:
+            col = int(perm[i1 + i])
+            if static is not None:
+                g = col // group_size
+                scales[:, g] = static[g][0]
+                if offsets is not None:
+                    offsets[:, g] = static[g][1]
+            elif col % group_size == 0:
                 g = col // group_size
                 grp = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :group_size]
                 s, off = group_params(grp, bits, symmetric)

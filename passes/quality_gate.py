@@ -8,6 +8,10 @@ tokenizer) and the validation prompts. Measured:
 - ``mean_kl``: mean KL(float || lossy) of the next-token distributions, in nats;
 - ``ppl_ratio``: perplexity of the lossy model on the text over the float model's.
 
+Also reported, not gated: ``near_tie_flips``, how many top-1 disagreements sit where the float
+model's own top two logits are within NEAR_TIE of each other; on SmolLM2 rounding the float
+weights to bf16 already flips such positions (docs/quantization.md).
+
 Float32 compute on purpose: the gate grades the weight format, not the device's arithmetic
 (scripts/gpu_quality.py measures the same figures with bf16 compute on a GPU).
 """
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 
 from portlayer.flatten.ir import Graph
+
+NEAR_TIE = 0.1  # logits: a float top-1/top-2 gap below this is a near-tie
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class GateResult:
     text: str
     thresholds: Thresholds
     failures: list[str] = field(default_factory=list)
+    near_tie_flips: int = 0
 
     @property
     def ppl_ratio(self) -> float:
@@ -63,12 +70,17 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
         return (f"quality gate for {self.mode}: top-1 {self.top1:.1%}, mean KL {self.mean_kl:.4f}, "
                 f"perplexity ratio {self.ppl_ratio:.4f} ({self.ppl_lossy:.2f} vs {self.ppl_float:.2f}) "
-                f"over {self.tokens} tokens: {verdict}")
+                f"over {self.tokens} tokens{self._flips()}: {verdict}")
+
+    def _flips(self) -> str:
+        flips = round((1 - self.top1) * self.tokens)
+        return f", {self.near_tie_flips} of {flips} top-1 flips at float near-ties (gap < {NEAR_TIE})" if flips else ""
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "top1": self.top1, "mean_kl": self.mean_kl, "ppl_float": self.ppl_float,
                 "ppl_lossy": self.ppl_lossy, "ppl_ratio": self.ppl_ratio, "tokens": self.tokens, "text": self.text,
-                "thresholds": asdict(self.thresholds), "passed": self.passed, "failures": list(self.failures)}
+                "thresholds": asdict(self.thresholds), "passed": self.passed, "failures": list(self.failures),
+                "near_tie_flips": self.near_tie_flips}
 
 
 def logits_of(graph: Graph, ids: torch.Tensor, device: str | torch.device = "cpu",
@@ -94,8 +106,10 @@ def logits_of(graph: Graph, ids: torch.Tensor, device: str | torch.device = "cpu
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor | None) -> dict[str, float]:
     """Sums over positions: agreements, KL, and (with next-token ``targets``) both NLLs."""
     lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    out = {"n": float(ref.shape[0]), "agree": float((ref.argmax(-1) == got.argmax(-1)).sum()),
-           "kl": float((lp.exp() * (lp - lq)).sum())}
+    top2 = ref.topk(2, -1).values if ref.shape[-1] > 1 else torch.cat([ref, ref - math.inf], -1)
+    flip = ref.argmax(-1) != got.argmax(-1)
+    out = {"n": float(ref.shape[0]), "agree": float((~flip).sum()), "kl": float((lp.exp() * (lp - lq)).sum()),
+           "near_tie_flips": float((flip & (top2[:, 0] - top2[:, 1] < NEAR_TIE)).sum())}
     if targets is not None:
         rows = torch.arange(targets.shape[0])
         out.update(nll_f=float(-lp[rows, targets].sum()), nll_q=float(-lq[rows, targets].sum()), nt=float(targets.shape[0]))
@@ -107,7 +121,7 @@ def evaluate(reference: Graph, lossy: Graph, mode: str, text_ids: torch.Tensor, 
              dtype: torch.dtype = torch.float32, reference_dtype: torch.dtype = torch.float32) -> GateResult:
     """Grade ``lossy`` against ``reference`` on the text (all metrics) and extra prompts (top-1, KL)."""
     th = THRESHOLDS.get(mode, THRESHOLDS["int4"])
-    tot = {"n": 0.0, "agree": 0.0, "kl": 0.0, "nll_f": 0.0, "nll_q": 0.0, "nt": 0.0}
+    tot = {"n": 0.0, "agree": 0.0, "kl": 0.0, "nll_f": 0.0, "nll_q": 0.0, "nt": 0.0, "near_tie_flips": 0.0}
     for i, ids in enumerate([text_ids, *prompts]):
         if ids.numel() < 2 and i == 0:
             raise ValueError("quality gate: the built-in text tokenized to fewer than 2 tokens")
@@ -117,7 +131,8 @@ def evaluate(reference: Graph, lossy: Graph, mode: str, text_ids: torch.Tensor, 
             tot[k] += v
     top1, kl = tot["agree"] / tot["n"], tot["kl"] / tot["n"]
     ppl_f, ppl_q = math.exp(tot["nll_f"] / tot["nt"]), math.exp(tot["nll_q"] / tot["nt"])
-    res = GateResult(mode, top1, kl, ppl_f, ppl_q, int(tot["n"]), text_how, th)
+    res = GateResult(mode, top1, kl, ppl_f, ppl_q, int(tot["n"]), text_how, th,
+                     near_tie_flips=int(tot["near_tie_flips"]))
     if top1 < th.top1:
         res.failures.append(f"top-1 agreement {top1:.1%} < {th.top1:.0%}")
     if kl > th.mean_kl:

@@ -135,13 +135,15 @@ def compile(  # noqa: A001 - the public name users expect
     strict: bool = False,
     verify: bool = True,
     tensor_parallel: int | str | None = None,
+    sources_only: bool | None = None,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
     ``model``: a local HF directory, a saved Flat IR directory (graph.json), a built-in name (tiny-qwen3, all-minilm-l6-v2), an
     nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
-    descriptor .json path. ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). A compile
-    whose key is already cached returns at once.
+    descriptor .json path. A compile whose key is already cached returns at once. ``sources_only``: GPU
+    targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
+    ``tensor_parallel``: N ranks or "auto" (docs/parallel.md).
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
@@ -155,11 +157,15 @@ def compile(  # noqa: A001 - the public name users expect
     options = _options(dtype, quantize, strict)  # strict: refuse a lossy format below the quality gate
     if not verify:  # skip the capture self-check (flatten/selfcheck.py); keyed apart in the cache
         options["verify"] = False
+    if sources_only or (sources_only is None and os.environ.get("PORTLAYER_SOURCES_ONLY") == "1"):
+        options["sources_only"] = True  # GPU targets: no kernel binaries (JIT on the device); keyed apart
     if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
         options["tensor_parallel"] = _tp_option(tensor_parallel)
     desc = resolve_target(target)
     src = _model_source(model)
-    key = cache.cache_key(src.sha256, desc.sha256, options)
+    from portlayer.capabilities.tuning import tuning_digest  # tuned launch configs change the artifact
+
+    key = cache.cache_key(src.sha256, desc.sha256 + tuning_digest(desc), options)
 
     def build(final: Path) -> Path:
         from portlayer.build import build_artifact

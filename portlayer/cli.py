@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES = (
     "portlayer.cli_compile",
     "portlayer.cli_run",
     "portlayer.cli_serve",
+    "portlayer.cli_tune",
 )
 
 #: exit status of a process killed by SIGPIPE, as shells report it (what `cat` gives under `| head`)

@@ -22,6 +22,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the best device here)")
     p.add_argument("--base", default=None, help="shipped descriptor to start from (default: the one probe matched)")
     p.add_argument("-o", "--output", default=None, help="write the descriptor JSON here (default: stdout)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer points (about a minute)")
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser("explain", help="the Plan (dtype, KV blocks, launch configs, ...) with reasons")
@@ -35,6 +36,13 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
     p.add_argument("--gate", action="store_true",
                    help="capture, quantize and run the quality gate on a lossy pick, as compile does (docs/quantization.md)")
+    p.add_argument("--predict", action="store_true",
+                   help="capture, run the passes and print the cost model's ms/step and tok/s (docs/capabilities.md)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="with --predict: use this calibrated descriptor's curves instead of the target's numbers")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="with --predict: decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="with --predict: cached tokens per decoding sequence")
+    p.add_argument("--prefill-tokens", type=int, default=128, help="with --predict: tokens of the prefill step")
     p.set_defaults(func=cmd_explain)
 
 
@@ -56,9 +64,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from portlayer.capabilities.calibrate import calibrate
+    from portlayer.capabilities.calibrate import run_cli
 
-    desc = calibrate(args.device, base=args.base)
+    desc = run_cli(args.device, base=args.base, quick=getattr(args, "quick", False), extra=_calibration_extras())
     text = json.dumps(desc, indent=2) + "\n"
     if args.output:
         Path(args.output).write_text(text)
@@ -71,6 +79,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _calibration_extras() -> list:
+    """Benchmarks that need a generated kernel live in backends/ (capabilities cannot import it)."""
+    from portlayer.backends.calibration_runner import extras
+    from portlayer.passes.pipeline import run_pipeline
+
+    return extras(run_pipeline)
 
 
 #: config.json keys the analytic (no-capture) requirements need; other configs are captured instead
@@ -139,6 +155,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         plan = negotiate(req, target, overrides, quality=_quality(args.model))
     print(plan.dumps() if args.json else plan.format_table())
+    if getattr(args, "predict", False):
+        from portlayer.cli_predict import explain_predict
+
+        text = explain_predict(args.model, target, overrides, args.calibration, args.batch, args.context,
+                               args.prefill_tokens)
+        print(text, file=sys.stderr if args.json else sys.stdout)  # --json keeps stdout one JSON document
     return 0
 
 

@@ -25,6 +25,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the capture self-check against the model's own forward (warns)")
+    p.add_argument("--sources-only", action="store_true",
+                   help="GPU targets: ship kernel sources without cubin/hsaco/SPIR-V binaries (Triton JIT-compiles them "
+                        "on the device; also PORTLAYER_SOURCES_ONLY=1)")
     p.set_defaults(func=run_compile)
 
     v = sub.add_parser("validate", help="re-run an artifact's validation set on this device",
@@ -46,6 +49,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--context", type=int, default=128, help="cached tokens per sequence for decode steps")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--calibration", default=None, metavar="FILE",
+                   help="predict with this calibrated descriptor's curves (default: the artifact's descriptor)")
+    b.add_argument("--no-predict", action="store_true", help="skip the cost model's predicted column")
     b.set_defaults(func=run_bench)
 
     c = sub.add_parser("cache", help="list or clear the artifact cache")
@@ -68,7 +74,8 @@ def run_compile(args: argparse.Namespace) -> int:
 
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
                             quantize=args.quantize, progress=not args.no_progress, strict=args.strict,
-                            verify=not args.no_verify, tensor_parallel=args.tensor_parallel)
+                            verify=not args.no_verify, sources_only=args.sources_only or None,
+                            tensor_parallel=args.tensor_parallel)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")
@@ -140,6 +147,11 @@ def run_bench(args: argparse.Namespace) -> int:
     print_notes(loaded)
     r = bench(loaded, prefill_tokens=args.prefill_tokens, context=args.context, batch_sizes=args.batch, iters=args.iters)
     print(format_report(r))
+    if not getattr(args, "no_predict", False):
+        from portlayer.cli_predict import bench_predictions
+
+        text, r["predicted"] = bench_predictions(loaded, r, getattr(args, "calibration", None))
+        print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
         _say(f"wrote {args.json}")

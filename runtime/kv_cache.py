@@ -2,7 +2,9 @@
 
 Layout per layer (the attention op's contract): key and value caches of
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (values: ``v_head_dim`` when it differs,
-as in DeepSeek's expanded MLA: K 192 wide, V 128). Memory comes from
+as in DeepSeek's expanded MLA: K 192 wide, V 128). The MLA latent layout (``mla_attention``,
+graph.meta ``kv_layout: mla_latent``) is one "head" of kv_lora_rank + rope per token in the key
+cache and a value cache of width 0, so a block costs (rank + rope) per token. Memory comes from
 ``BackendAdapter.allocate`` so it honours the descriptor's alignment (vendor kernels
 reject or slow down on misaligned buffers); the block count is whatever fits the budget.
 """
@@ -31,11 +33,11 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
-    v_head_dim: int | None = None  # None: the same as head_dim
+    v_head_dim: int | None = None  # None: the same as head_dim; 0: no value cache (MLA's latent cache)
 
     @property
     def value_dim(self) -> int:
-        return self.v_head_dim or self.head_dim
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @staticmethod
     def from_meta(meta: Mapping[str, Any], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -46,7 +48,7 @@ class KVCacheSpec:
                 f"graph.meta lacks {missing} (model {meta.get('source', '?')}); the KV cache is sized from them. "
                 "Capture the model with portlayer.flatten.capture, which records them."
             )
-        v = int(meta["v_head_dim"]) if meta.get("v_head_dim") else None
+        v = int(meta["v_head_dim"]) if meta.get("v_head_dim") is not None else None
         return KVCacheSpec(int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"]), block_size, dtype,
                            v if v != int(meta["head_dim"]) else None)
 
@@ -78,7 +80,7 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, backend: Any) -> list
         for dim in (spec.head_dim, spec.value_dim):
             shape = (num_blocks, spec.block_size, spec.num_kv_heads, dim)
             nbytes = num_blocks * spec.block_size * spec.num_kv_heads * dim * itemsize
-            raw = backend.allocate(nbytes)
+            raw = backend.allocate(max(nbytes, 1))
             t = raw[:nbytes].view(spec.dtype).view(shape)
             t.zero_()
             pair.append(t)

@@ -59,6 +59,8 @@ def attention_layers(graph: Graph) -> list[tuple[tuple[int, int], tuple[int, int
     for n in nodes:
         k, v = types[n.inputs[1]], types[n.inputs[2]]
         out.append(((int(k.shape[1]), int(k.shape[2])), (int(v.shape[1]), int(v.shape[2]))))
+    for n in sorted(graph.find("mla_attention"), key=lambda n: int(n.attrs.get("layer", 0))):  # latent cache
+        out.append(((1, int(n.attrs["kv_lora_rank"]) + int(n.attrs["qk_rope_head_dim"])), (1, 0)))
     return out
 
 
@@ -110,7 +112,7 @@ def build_cases(graph: Graph, seed: int = 0) -> list[Case]:
     vocab = int(graph.meta.get("vocab_size") or 0) or _vocab_from_graph(graph)
     cases = [Case("prefill", [Step([7], [0], *_tokens(gen, vocab, [7], [0]))], paged=False)]
     cases.append(Case("packed", [Step([5, 3], [0, 0], *_tokens(gen, vocab, [5, 3], [0, 0]))], paged=False))
-    if graph.meta.get("task", "causal_lm") == "causal_lm" and graph.find("attention"):
+    if graph.meta.get("task", "causal_lm") == "causal_lm" and (graph.find("attention") or graph.find("mla_attention")):
         pre = Step([6, 4], [0, 0], *_tokens(gen, vocab, [6, 4], [0, 0]))
         dec = Step([1, 1], [6, 4], *_tokens(gen, vocab, [1, 1], [6, 4]))
         cases.append(Case("decode", [pre, dec], paged=True))

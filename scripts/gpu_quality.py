@@ -10,7 +10,8 @@ format is quantized as ``portlayer compile`` would (passes/quantize.py, GPTQ on 
 the float and quantized graphs run on the reference interpreter on the GPU and are graded by
 passes/quality_gate.py: once with the quantized model in bf16 against the float32 model (what
 a bf16 deployment sees), and once with the float model itself in bf16 (the bf16 floor).
-Prints a table and writes JSON (``--json``).
+Prints a table and writes JSON (``--json``, else ``$OUT/gpu_quality_<device>_<dtype>.json`` when
+$OUT is set). ``--variants all`` adds the GPTQ variants (minutes more on the CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: name -> (format, quantize-pass options); the first of each format is what `--quantize` compiles by default
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "int8": ("int8", {}),  # group 32, asymmetric, round-to-nearest
+    "int8-per-channel": ("int8", {"group_size": 1 << 30, "symmetric": True, "quant_method": "rtn"}),
+    "int8-per-channel-gptq": ("int8", {"group_size": 1 << 30, "symmetric": True, "quant_method": "gptq"}),
+    "int4": ("int4", {}),
+    "int4-rtn": ("int4", {"quant_method": "rtn"}),
+    "int4-gptq": ("int4", {"quant_method": "gptq"}),
+    "int4-awq": ("int4", {"quant_method": "awq"}),
+    "int4-awq-gptq-act": ("int4", {"quant_method": "awq+gptq", "act_order": True}),
+    "int4-g32": ("int4", {"group_size": 32, "quant_method": "rtn"}),
+}
+QUICK = ("int8", "int8-per-channel", "int4", "int4-rtn", "int4-g32")  # no GPTQ: fits a 10-minute slot
 
 
 def _paths() -> None:
@@ -42,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--formats", nargs="+", default=["native", "int8", "int4"])
     ap.add_argument("--target", default="nvidia-h200", help="descriptor whose plan (group size, ...) is used")
-    ap.add_argument("--methods", nargs="+", default=["gptq"], help="int8/int4 methods to grade (gptq, rtn)")
+    ap.add_argument("--variants", nargs="+", default=list(QUICK), metavar="NAME",
+                    help=f"int8/int4 variants to grade, or 'all' (default: {' '.join(QUICK)}; all: {' '.join(VARIANTS)})")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
@@ -72,18 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     base = evaluate(graph, graph, "none", ids, how, prompts, args.device, dtype)
     rows.append({"format": f"none ({args.dtype})", **base.to_json()})
     native = bool(graph.meta.get("source")) and (Path(graph.meta["source"]) / "gguf_native.json").is_file()
-    for fmt in [f for f in args.formats if f != "native" or native]:
-        for method in args.methods if fmt != "native" else ["blocks"]:
-            t1 = time.perf_counter()
-            res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False,
-                               options={"quant_method": method} if fmt != "native" else None)
-            r = evaluate(graph, res.graph, fmt, ids, how, prompts, args.device, dtype)
-            rows.append({"format": f"{fmt} {method} ({args.dtype})", **r.to_json(), "seconds": round(time.perf_counter() - t1, 1)})
-            print(rows[-1]["format"], f"{r.summary()} [{rows[-1]['seconds']} s]", flush=True)
-    print(f"{'format':<28} {'top-1':>7} {'mean KL':>9} {'ppl ratio':>10}  gate")
+    todo = [("native", "native", None)] if native and "native" in args.formats else []
+    todo += [(name, fmt, opts) for name, (fmt, opts) in VARIANTS.items()
+             if fmt in args.formats and ("all" in args.variants or name in args.variants)]
+    for name, fmt, opts in todo:
+        t1 = time.perf_counter()
+        res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False, options=opts)
+        tq = time.perf_counter() - t1
+        r = evaluate(graph, res.graph, fmt, ids, how, prompts, args.device, dtype)
+        rows.append({"format": f"{name} ({args.dtype})", "method": res.graph.meta.get("quantization", {}).get("method"),
+                     **r.to_json(), "quantize_seconds": round(tq, 1), "seconds": round(time.perf_counter() - t1, 1)})
+        print(rows[-1]["format"], f"{rows[-1]['method']}: {r.summary()} [quantize {tq:.0f} s, total {rows[-1]['seconds']} s]",
+              flush=True)
+    print(f"{'format':<36} {'top-1':>7} {'mean KL':>9} {'ppl ratio':>10} {'quantize s':>10}  gate")
     for r in rows:
         verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
-        print(f"{r['format']:<28} {r['top1']:>7.1%} {r['mean_kl']:>9.4f} {r['ppl_ratio']:>10.4f}  {verdict}")
+        print(f"{r['format']:<36} {r['top1']:>7.1%} {r['mean_kl']:>9.4f} {r['ppl_ratio']:>10.4f} "
+              f"{r.get('quantize_seconds', 0):>10}  {verdict}")
+    if args.json is None and os.environ.get("OUT"):
+        args.json = str(Path(os.environ["OUT"]) / f"gpu_quality_{args.device.split(':')[0]}_{args.dtype}.json")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
     return 0

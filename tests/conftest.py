@@ -10,6 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GPU-target compiles in tests ship kernel sources only (no cubin/hsaco/SPIR-V build, seconds each);
+# tests/test_binaries.py and tests/test_xpu_spirv.py ask for binaries explicitly (sources_only=False).
+os.environ.setdefault("PORTLAYER_SOURCES_ONLY", "1")
 if not torch.cuda.is_available() and "triton.language" not in __import__("sys").modules:
     # Without a GPU the Triton tier runs in the interpreter, and Triton fixes interpreted-or-
     # compiled at its first import: set it before any test module imports a kernel. The AOT

@@ -282,7 +282,7 @@ def test_fia_tnd_paged_prefill_and_mixed(npu):
     out, lse = npu.npu_fused_infer_attention_score(
         q, kc.view(nb, 128, -1), vc.view(nb, 128, -1), **fia_kwargs(actual_seq_lengths=cum, actual_seq_lengths_kv=ctx,
                                                                    block_table=bt, block_size=128))
-    assert out.shape == q.shape and out.dtype == torch.float16 and lse.shape == (1,)
+    assert out.shape == q.shape and out.dtype == torch.float16 and lse.shape == (0,)  # torch-npu 2.14.0 meta: empty lse without softmax_lse_flag
     starts = [0, 70, 71]
     for r in range(3):
         s, e = starts[r], cum[r]

@@ -1,4 +1,4 @@
-"""Calibration measures this device and writes a descriptor that says so."""
+"""Calibration measures this device and writes a descriptor that says so (and says what it kept)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,21 @@ import pytest
 import torch
 
 from portlayer.capabilities.calibrate import (
-    CPU_SIZES,
+    SLOW_FRACTION,
     Sizes,
     calibrate,
+    finish,
     measure_copy_bandwidth,
     measure_matmul,
 )
-from portlayer.capabilities.descriptor import Descriptor, load_descriptor
+from portlayer.capabilities.calibrate_attention import fit
+from portlayer.capabilities.calibrate_memory import cache_knee, sweep_sizes
+from portlayer.capabilities.calibrate_timing import CPU_QUICK, sig
+from portlayer.capabilities.descriptor import Descriptor, load_descriptor, validate
 from portlayer.capabilities.policy import ModelRequirements, negotiate
 
-TINY = Sizes(copy_bytes=16 * 2**20, matmul_n=256, iters=3, warmup=1, launches=200, max_seconds_per_dtype=0.3)
+TINY = Sizes(copy_bytes=4 * 2**20, matmul_n=128, iters=2, warmup=1, launches=200, max_seconds_per_dtype=0.1, reps=1,
+             gemm_k=256, gemm_ms=(1, 16), attn_points=((1, 32), (2, 32), (1, 128)), attn_heads=(4, 2, 16))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +33,71 @@ def cpu_calibrated():
 def test_cpu_calibration_validates_and_says_calibrated(cpu_calibrated):
     d = cpu_calibrated
     assert d["name"] == "cpu-x86_64-calibrated"
-    assert d["memory"]["bandwidth_gbps"] > 0.1 and d["throughput_tflops"]["fp32"] > 1e-4
+    assert d["memory"]["bandwidth_gbps"] > 0 and d["throughput_tflops"]["fp32"] > 0
     assert d["launch_overhead_us"] > 0
     for key in ("memory.bandwidth_gbps", "throughput_tflops.fp32", "launch_overhead_us", "memory.capacity_gb"):
-        assert d["sources"][key].startswith("calibrated on ")
-    assert d["sources"]["memory.alignment_bytes"] == load_descriptor("cpu-x86_64").source("memory.alignment_bytes")
+        src = d["sources"][key]
+        assert src.startswith("calibrated on ") and f"torch {torch.__version__}" in src and " at " in src
+    shipped = load_descriptor("cpu-x86_64")
+    assert d["sources"]["memory.alignment_bytes"] == (
+        "kept from cpu-x86_64 (not measured): " + shipped.source("memory.alignment_bytes"))
+    assert d["memory"]["alignment_bytes"] == shipped.raw["memory"]["alignment_bytes"]
+    assert "Placeholder" not in d["notes"] and "not measured" in d["notes"]
     assert d["calibration"]["base_descriptor"] == "cpu-x86_64"
-    desc = Descriptor.from_dict(d, origin="calibration")
-    assert desc.compute_units.count >= 1
+    assert Descriptor.from_dict(d, origin="calibration").compute_units.count >= 1
+
+
+def test_curves_are_recorded(cpu_calibrated):
+    cal = cpu_calibrated["calibration"]
+    assert [r["bytes"] for r in cal["bandwidth_sweep"]] == sweep_sizes(TINY.copy_bytes)
+    assert [r["m"] for r in cal["gemm_curves"]["fp32"]] == [1, 16]
+    assert all(r["tflops"] > 0 and r["us"] > 0 for r in cal["gemm_curves"]["fp32"])
+    attn = cal["attention"]
+    assert [(p["batch"], p["context"]) for p in attn["points"]] == list(TINY.attn_points)
+    assert attn["points"][0]["kv_bytes"] == 2 * 1 * 33 * 2 * 16 * 4  # k and v, context + new token, fp32
+    assert attn["gbps"] > 0
+    assert cal["launch_us"]["eager_us"] > 0 and cal["launch_us"]["graph_us"] is None  # no graphs on a CPU
+    assert cal["launch_us"]["reference_op_us"] > 0
 
 
 def test_emulated_dtypes_are_listed_absent(cpu_calibrated):
     tp = cpu_calibrated["throughput_tflops"]
-    slow = cpu_calibrated["calibration"]["emulated_dtypes_tflops"]
-    for k, v in slow.items():
-        assert k not in tp and v < tp["fp32"] / 8
+    for k, v in cpu_calibrated["calibration"]["emulated_dtypes_tflops"].items():
+        assert k not in tp and v < tp["fp32"] * SLOW_FRACTION
+
+
+def _results(matmul: dict[str, float]) -> dict:
+    sweep = [{"bytes": 2**20, "read_gbps": 9.0, "copy_gbps": 8.0}, {"bytes": 2**26, "read_gbps": 3.0, "copy_gbps": 2.5}]
+    attn = {"points": [], "gbps": 1.0, "per_seq_us": 1.0, "fixed_us": 1.0}
+    return {"sweep": sweep, "matmul": matmul, "gemm_curves": {}, "attention": attn,
+            "launch": {"eager_us": 3.3333, "graph_us": None}}
+
+
+def test_slow_dtype_is_absent_never_zero_and_validates():
+    """The issue's case: round(x, 3) made a slow dtype 0.0, which the descriptor's own schema rejects."""
+    raw = load_descriptor("cpu-x86_64").raw
+    res = _results({"fp32": 0.000_412_34, "fp64": 0.000_2, "int8": 0.000_01, "bf16": 0.000_000_3})
+    d = finish(raw, "cpu-x86_64", torch.device("cpu"), TINY, res)
+    validate(d, origin="test")
+    assert d["throughput_tflops"]["fp32"] == pytest.approx(0.0004123) and d["throughput_tflops"]["fp64"] == 0.0002
+    assert "int8" not in d["throughput_tflops"] and "bf16" not in d["throughput_tflops"]  # absent, not 0
+    assert d["calibration"]["emulated_dtypes_tflops"] == {"int8": 1e-05, "bf16": 3e-07}
+    assert "throughput_tflops.int8" not in d["sources"]
+    assert d["memory"]["bandwidth_gbps"] == 2.5 and d["calibration"]["cache_knee_bytes"] == 2**20
+
+
+def test_significant_digits():
+    assert sig(0.000_412_345) == 0.0004123 and sig(4268.54) == 4269.0 and sig(1e-9) > 0
+
+
+def test_cache_knee_and_fit_on_synthetic_points():
+    rows = [{"bytes": b, "read_gbps": g} for b, g in ((2**18, 40.0), (2**20, 35.0), (2**22, 12.0), (2**24, 10.0))]
+    assert cache_knee(rows) == 2**20
+    assert cache_knee(rows[-1:]) is None
+    pts = [{"batch": b, "kv_bytes": n, "us": 5.0 + 2.0 * b + n / 4e3} for b, n in ((1, 4e5), (8, 4e5), (1, 4e6), (8, 4e6))]
+    f = fit(pts)  # 4 GB/s = 4e3 bytes/us
+    assert f["fixed_us"] == pytest.approx(5.0, rel=1e-3) and f["per_seq_us"] == pytest.approx(2.0, rel=1e-3)
+    assert f["gbps"] == pytest.approx(4.0, rel=1e-3)
 
 
 def test_calibrated_descriptor_drives_the_plan(cpu_calibrated, tmp_path):
@@ -58,21 +113,35 @@ def test_calibrated_descriptor_drives_the_plan(cpu_calibrated, tmp_path):
 
 def test_measurements_are_plausible():
     dev = torch.device("cpu")
-    assert 0.1 < measure_copy_bandwidth(dev, TINY) < 2000
+    assert 0.001 < measure_copy_bandwidth(dev, TINY) < 2000
     assert measure_matmul(dev, "tf32", TINY) is None  # tf32 is a GPU mode
     assert measure_matmul(dev, "fp8", TINY) is None
 
 
-def test_cpu_sizes_stay_small():
-    assert CPU_SIZES.copy_bytes <= 256 * 2**20 and CPU_SIZES.matmul_n <= 1024
+def test_quick_sizes_stay_small():
+    assert CPU_QUICK.copy_bytes <= 256 * 2**20 and CPU_QUICK.matmul_n <= 1024
 
 
-def test_calibrate_cli_writes_a_descriptor(tmp_path, monkeypatch, capsys):
+def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, capsys):
     import portlayer.capabilities.calibrate as cal
     from portlayer.cli_capabilities import main
 
-    monkeypatch.setattr(cal, "CPU_SIZES", TINY)
+    monkeypatch.setattr(cal, "CPU_QUICK", TINY)
     out = tmp_path / "cpu.json"
-    assert main(["calibrate", "--device", "cpu", "-o", str(out)]) == 0
-    assert "GB/s" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("calibrate [")]
+    assert any("bandwidth" in ln for ln in lines) and any("paged attention" in ln for ln in lines)
+    assert any("launch latency (eager)" in ln for ln in lines) and "GB/s" in err
+    assert any("paged attention (torch.sdpa" in ln for ln in lines)  # what the CPU program runs (backends extra)
+    assert any("GEMM crossover" in ln and "not measured: cpu-x86_64 generates 'torch' code" in ln for ln in lines)
     assert load_descriptor(out).name == "cpu-x86_64-calibrated"
+    assert json.loads(out.read_text())["calibration"]["mode"] == "quick"
+
+
+def test_crossover_is_the_leading_run_where_triton_wins():
+    from portlayer.backends.calibration_runner import crossover
+
+    pts = [{"m": m, "triton_us": t, "vendor_us": v} for m, t, v in ((1, 4.0, 6.0), (8, 5.0, 6.0), (32, 9.0, 7.0), (128, 5.0, 9.0))]
+    assert crossover(pts) == 8  # the win at 128 after a loss at 32 does not extend the run
+    assert crossover([{"m": 1, "triton_us": 7.0, "vendor_us": 6.0}]) == 0

@@ -57,8 +57,9 @@ def test_identical_layers_share_kernels_and_host_is_python(captured):
     ast.parse(gen.host)
     for src in gen.kernel_sources().values():
         ast.parse(src)
-    # one kernel per distinct code: embedding, 3 norms, rope, silu*mul, cache write, prefill paged/dense, decode
-    assert len(gen.kernel_sources()) <= 11
+    # one kernel per distinct code: embedding, 3 norms, rope, silu*mul, cache write, prefill paged/dense, decode,
+    # and the decode GEMMs (few-rows plain, with the silu*mul epilogue, Q|K|V side by side)
+    assert len(gen.kernel_sources()) <= 14
 
 
 def _qwen3(layers: int):

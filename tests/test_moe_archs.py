@@ -17,6 +17,7 @@ import portlayer
 from portlayer.flatten import capture, interpret
 from portlayer.runtime.engine import LLMEngine
 from portlayer.runtime.kv_cache import KVCacheSpec
+from portlayer.runtime.loaded import open_artifact
 from portlayer.runtime.sequence import SamplingParams
 
 COMMON = dict(vocab_size=128, max_position_embeddings=256, hidden_size=64, intermediate_size=96,
@@ -35,7 +36,8 @@ MOE = {
         num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
         q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
 }
-GENERATE = ["deepseek-v3"]  # the superset (MoE + group routing + shared experts + MLA); test time budget
+GENERATE = ["qwen3-moe", "glm4-moe", "deepseek-v3"]
+MLA = {"deepseek-v3", "deepseek-v2-complex-rope"}  # raised to mla_attention: the latent KV cache
 NEW = 24
 
 
@@ -72,6 +74,11 @@ def moe_models():
 def test_interpret_matches_hf(moe_models, name):
     model, g = moe_models[name]
     assert g.find("moe_experts"), "experts not captured as one op"
+    if name in MLA:  # every layer's attention reads a latent cache of kv_lora_rank + rope per token
+        assert not g.find("attention") and len(g.find("mla_attention")) == 2
+        assert (g.meta["num_kv_heads"], g.meta["head_dim"], g.meta["v_head_dim"]) == (1, 16 + 8, 0)
+    else:
+        assert not g.find("mla_attention")
     gen = torch.Generator().manual_seed(0)
     for length in (1, 9, 40):
         ids = torch.randint(3, 128, (length,), generator=gen)
@@ -90,18 +97,23 @@ def _hf_generate(model, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("name", GENERATE)
 def test_compiled_generation_matches_hf(moe_models, name, tmp_path):
+    """DeepSeek-V3 (MoE + MLA's latent cache) runs the whole engine and the tight one; the other two,
+    whose attention is the dense models' path, the tight one over two prompts (test time)."""
     model, g = moe_models[name]
     art = tmp_path / "art"
     portlayer.compile(g, target="cpu-x86_64", output=art, progress=False)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    lengths, blocks = ((5, 17, 40), 7) if name == "deepseek-v3" else ((17, 40), 5)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
     ref = [_hf_generate(model, p) for p in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    whole = LLMEngine.from_artifact(art)
-    assert [o.token_ids for o in whole.generate(prompts, greedy)] == ref
-    # chunked prefill (8-token chunks) and preemption (7 blocks of 16 for 3 sequences of up to 64) at once
-    budget = 7 * KVCacheSpec.from_meta(g.meta, 16, torch.float32).bytes_per_block
+    assert open_artifact(art).validate().ok  # includes a paged prefill + decode case
+    if name == "deepseek-v3":
+        whole = LLMEngine.from_artifact(art)
+        assert [o.token_ids for o in whole.generate(prompts, greedy)] == ref
+    # chunked prefill (8-token chunks) and preemption (too few blocks of 16 for sequences of up to 64) at once
+    budget = blocks * KVCacheSpec.from_meta(g.meta, 16, torch.float32).bytes_per_block
     tight = LLMEngine.from_artifact(art, block_size=16, kv_cache_budget_bytes=budget, prefill_chunk_size=8,
                                     max_batched_tokens=16)
     assert [o.token_ids for o in tight.generate(prompts, greedy)] == ref
-    assert tight.stats["preemptions"] > 0 and tight.stats["steps"] > whole.stats["steps"]
+    assert tight.stats["preemptions"] > 0 and tight.stats["steps"] > NEW + 1  # chunks: more steps than tokens

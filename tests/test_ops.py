@@ -325,6 +325,16 @@ _sdpa_causal = F.scaled_dot_product_attention(AQ.transpose(0, 1), AK.transpose(0
 case("attention", "causal-vs-sdpa", [_aq_t] * 3, [AQ, AK, AV], {"num_heads": 2, "num_kv_heads": 2, "head_dim": 8},
      [_aq_t], _sdpa_causal)
 
+# mla_attention without a cache: keys/values expanded from the latent by hand, then SDPA (paged: tests/test_mla.py)
+MQ, ML, MP, MW = rnd(T, 2, 8), rnd(T, 6), rnd(T, 4), rnd(2 * 8, 6)
+_mkv = (ML @ MW.t()).view(T, 2, 8)
+_mk = torch.cat([_mkv[..., :4], MP[:, None, :].expand(T, 2, 4)], dim=-1)
+case("mla_attention", "causal-vs-expanded-sdpa", [_aq_t, tt("float32", "num_tokens", 6), tt("float32", "num_tokens", 4),
+     tt("float32", 16, 6)], [MQ, ML, MP, MW], {"num_heads": 2, "kv_lora_rank": 6, "qk_nope_head_dim": 4,
+     "qk_rope_head_dim": 4, "v_head_dim": 4, "scale": 0.3}, [tt("float32", "num_tokens", 2, 4)],
+     F.scaled_dot_product_attention(MQ.transpose(0, 1), _mk.transpose(0, 1), _mkv[..., 4:].transpose(0, 1),
+                                    is_causal=True, scale=0.3).transpose(0, 1))
+
 # ---- layout ----------------------------------------------------------------------------------
 XS = rnd(T, 8)
 _ctx = ctx_for()

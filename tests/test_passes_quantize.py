@@ -63,11 +63,15 @@ def test_int4_ir_text_and_reference_semantics():
     assert torch.allclose(got, ref, atol=1e-5)
 
 
-def test_int8_per_channel_and_plan_off():
+def test_int8_groups_of_32_per_channel_on_request_and_plan_off():
     g = _graph()
     out = quantize(g, ctx_for(g, "cpu-x86_64", weight_quantization="int8"))
     (n,) = out.find("linear_wq")
-    assert n.attrs == {"bits": 8, "group_size": 256} and out.params[n.inputs[1]].dtype == "int8"
+    assert n.attrs == {"bits": 8, "group_size": 32} and out.params[n.inputs[1]].dtype == "int8" and len(n.inputs) == 5
+    ctx = ctx_for(g, "cpu-x86_64", weight_quantization="int8")
+    ctx.options.update(group_size=256, symmetric=True)
+    (n,) = quantize(g, ctx).find("linear_wq")
+    assert n.attrs == {"bits": 8, "group_size": 256} and len(n.inputs) == 4
     assert print_graph(quantize(g, ctx_for(g, "cpu-x86_64"))) == print_graph(g)  # the plan says none
 
 

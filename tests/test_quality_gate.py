@@ -23,6 +23,13 @@ def test_compare_logits_matches_torch_kl_and_nll():
     assert r["agree"] == float((a.argmax(-1) == b.argmax(-1)).sum())
 
 
+def test_near_tie_flips_count_disagreements_where_the_float_top_two_are_close():
+    ref = torch.tensor([[1.0, 0.95, 0.0], [2.0, 0.0, 1.0], [0.0, 3.0, 2.99], [5.0, 0.0, 0.0]])
+    got = torch.tensor([[0.0, 1.0, 0.0], [0.0, 2.0, 0.0], [0.0, 3.0, 2.0], [0.0, 0.0, 1.0]])
+    r = Q.compare_logits(ref, got, None)  # flips at rows 0 (gap 0.05), 1 (gap 1.0), 3 (gap 5.0)
+    assert r["agree"] == 1.0 and r["near_tie_flips"] == 1.0
+
+
 def test_gptq_beats_round_to_nearest_on_held_out_text(captured):
     from portlayer.passes.pipeline import run_pipeline
 

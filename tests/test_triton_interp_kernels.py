@@ -258,7 +258,7 @@ def test_few_rows_gemm_and_the_rows_rule(tmp_path, dtype, n, k, bias, epilogue):
         assert ours.shape == (t, n) and rel_err(ours, want) <= tol(dtype), (t, rel_err(ours, want))
 
 
-@pytest.mark.parametrize("bits,k,group,offsets", [(8, 96, 32, False), (4, 128, 64, True), (8, 80, 16, True), (4, 96, 32, False)])
+@pytest.mark.parametrize("bits,k,group,offsets", [(8, 96, 32, False), (4, 128, 64, True), (8, 80, 16, True), (4, 96, 32, False), (4, 128, 32, True)])
 def test_few_rows_weight_only_quantized(tmp_path, bits, k, group, offsets):
     """linear_wq at decode rows: integers (int4 nibbles unpacked in registers) times per-group scales
     (+ offsets), against x @ (q * s + o)^T in float64; above the rows rule the tensor-core kernel."""

@@ -27,6 +27,8 @@ class GenContext:
     compute_units: int = 108
     triton_gemm_max_tokens: int = 0
     gemv_max_tokens: int = 0
+    gemv_max_weight_bytes: int = 0
+    shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
 

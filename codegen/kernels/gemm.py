@@ -155,7 +155,11 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         body = lower_chain(epi, ctx.types, out_t.shape, GEMM_IDX, bound={lin.outputs[0].name: "y"}, prefix="e")
     cfg = ctx.cfg("gemv" if few_rows else "gemm")
     if few_rows:
-        bn, bk = _gemv_blocks(cfg, n_out, k_in, max(32, gsize) if quant else 32)
+        bn, bk = _gemv_blocks(cfg, n_out, k_in)
+        if quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
+            quant["in_group"] = gsize % bk == 0
+            if not quant["in_group"]:
+                bn, bk = _gemv_blocks(cfg, n_out, k_in, max(32, gsize))
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -211,10 +215,18 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> 
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
-    least = f", {const['G']}" if "G" in const else ""
+    least = f", {const['G']}" if "G" in const and const["G"] < const["BLOCK_K"] else ""
     return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
+
+
+def _few_rows_takes(ctx: GenContext, lin: Node, group_size: int) -> bool:
+    """Quantized weights: a K tile inside one group, or spanning whole power-of-two groups."""
+    if not group_size:
+        return True
+    _, bk = _gemv_blocks(ctx.cfg("gemv"), int(ctx.types[lin.inputs[1]].shape[0]), int(ctx.types[lin.inputs[0]].shape[-1]))
+    return group_size % bk == 0 or pow2(group_size) == group_size
 
 
 def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]) -> list[str]:
@@ -285,7 +297,9 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     m = host_numel(ctx.types[lin.inputs[0]].shape[:-1])
     few: list[tuple[int, list[str], str]] = []
     group_size = int(lin.attrs.get("group_size") or 0) if lin.op == "linear_wq" else 0
-    if few_rows and (not group_size or pow2(group_size) == group_size):  # groups tile a power-of-two K tile
+    weight = ctx.types[lin.inputs[1]]
+    small = ctx.gemv_max_weight_bytes <= 0 or weight.nbytes({}) <= ctx.gemv_max_weight_bytes
+    if few_rows and small and _few_rows_takes(ctx, lin, group_size):
         spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
         code.kernels.append(spec)
         few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv_bf16_bcdb49(
+def gemv_bf16_391b0f(
     a_ptr,
     w_ptr,
     c_ptr,
@@ -32,8 +32,8 @@ def gemv_bf16_bcdb49(
         kmask = rk < K
         a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & kmask[None, :],
                     other=0.0).to(tl.float32)
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
 
     y = acc

@@ -1,0 +1,171 @@
+"""Calibration benchmarks that need a generated kernel (capabilities/ cannot import backends/).
+
+`portlayer calibrate` passes ``extras(run_pipeline)`` to ``capabilities.calibrate.calibrate``; each
+extra takes (device, sizes, progress, base descriptor name) and returns entries merged into the
+measured results. The pipeline comes in as an argument because backends/ sits before passes/.
+
+The GEMM crossover: one ``linear`` of K = N = ``sizes.gemm_k`` compiled as the compiler compiles a
+model's, run with the generated Triton GEMM and with the vendor GEMM at each M of ``sizes.gemm_ms``,
+each step captured in a CUDA graph so device time is compared, not Python launch cost. The largest
+M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, and the largest M up to which the
+few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules codegen follows.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from portlayer.capabilities.calibrate import Extra
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, sig
+from portlayer.capabilities.descriptor import load_descriptor
+from portlayer.flatten.ir import GraphBuilder, TensorType
+from portlayer.flatten.op_defs.attention import AttentionMetadata
+
+ALWAYS_TRITON = 1 << 30
+GEMV_MAX_ROWS = 64  # the few-rows kernel is timed up to this M (it is a decode kernel)
+
+
+def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
+    """x[num_tokens, K] -> linear(W[N, K]): the graph whose program the crossover times."""
+    b = GraphBuilder()
+    x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
+    w = b.add_param("w", (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k**0.5).to(dtype))
+    b.graph.outputs = [b.add1("linear", [x, w, None], name="proj")]
+    b.graph.meta = {"architecture": "calibration-gemm"}
+    return b.graph
+
+
+def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> tuple[float, str]:
+    """Microseconds per step: replayed from a CUDA graph where capture works, else eager (said so).
+
+    The step's metadata is built on the device before capture (a host-to-device copy cannot be captured)."""
+    md = AttentionMetadata.single(int(feeds["x"].shape[0]), device=device)
+
+    def step() -> Any:
+        return prog.run(feeds, md, None)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize(device)
+    how = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        fn = g.replay
+    except RuntimeError:
+        fn, how = step, "eager"
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters, how
+
+
+def _host_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> float:
+    """Microseconds per eager step of a one-kernel program: what launching a generated kernel costs the host."""
+    md = AttentionMetadata.single(int(feeds["x"].shape[0]), device=device)
+    for _ in range(3):
+        prog.run(feeds, md, None)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        prog.run(feeds, md, None)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def crossover(points: list[dict[str, Any]]) -> int:
+    """Largest M of the leading run where the Triton GEMM is at least as fast as the vendor one (0: never)."""
+    best = 0
+    for p in points:
+        if p["triton_us"] > p["vendor_us"]:
+            break
+        best = p["m"]
+    return best
+
+
+def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
+                           base: str) -> dict[str, Any]:
+    from portlayer.backends.generate import generate
+    from portlayer.backends.triton_program import load_program
+    from portlayer.codegen.program import write_program
+
+    desc = load_descriptor(base)
+    progress.start(f"GEMM crossover (generated Triton vs vendor) M={list(sizes.gemm_ms)} K=N={sizes.gemm_k}")
+    if dev.type != "cuda" or desc.codegen != "triton":
+        progress.done(f"not measured: {desc.name} generates {desc.codegen!r} code; no generated GEMM to compare")
+        return {}
+    dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
+    graph = one_linear(sizes.gemm_k, sizes.gemm_k, dtype)
+    result = pipeline(graph, desc, overrides={"compute_dtype": str(dtype).removeprefix("torch."),
+                                              "weight_quantization": "none"})
+    times: dict[str, dict[int, float]] = {}
+    modes = set()
+    gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
+    paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
+             ("gemv", 0, ALWAYS_TRITON, gemv_ms))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
+        for name, gemm_rule, gemv_rule, ms in paths:
+            out = Path(tmp) / name
+            gen = generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
+                           gemv_max_tokens=gemv_rule)
+            write_program(gen, out)
+            prog = load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+            times[name] = {}
+            with torch.inference_mode():
+                for m in ms:
+                    x = torch.randn(m, sizes.gemm_k, device=dev, dtype=dtype)
+                    us, how = _device_us(prog, {"x": x}, dev, sizes.iters)
+                    times[name][m] = us
+                    modes.add(how)
+                if name == "triton":
+                    host = _host_us(prog, {"x": torch.randn(1, sizes.gemm_k, device=dev, dtype=dtype)}, dev, 200)
+    points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
+               **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
+    cross = crossover(points)
+    gemv = crossover([{"m": p["m"], "triton_us": p["gemv_us"], "vendor_us": min(p["vendor_us"], p["triton_us"])}
+                      for p in points if "gemv_us" in p])  # fmt: skip
+    progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv us: "
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
+                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us")
+    return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
+                               "timing": sorted(modes)},
+            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host)}
+
+
+def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:
+    """Paged attention as a torch-codegen program runs it (codegen/torch_attention.py: one batched sdpa per
+    step), replacing the op-reference measurement capabilities/ can make on its own."""
+    if load_descriptor(base).codegen != "torch":
+        return {}
+    from portlayer.capabilities.calibrate_attention import measure_paged_attention
+    from portlayer.codegen.torch_attention import attention_batched
+
+    d = sizes.attn_heads[2]
+
+    def run(ins: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        st = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache)
+        return attention_batched(*ins, st, layer=0, scale=d**-0.5, causal=True, sliding_window=None)
+
+    return {"attention": measure_paged_attention(dev, sizes, progress, torch.float32, run=run,
+                                                 label="torch.sdpa, codegen/torch_attention.py")}
+
+
+def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
+    """The backend benchmarks; ``pipeline`` is passes.pipeline.run_pipeline (the CLI hands it in)."""
+    out: list[Extra] = [measure_torch_attention]
+    if pipeline is not None:
+        out.append(lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base))
+    return out

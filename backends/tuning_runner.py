@@ -1,0 +1,145 @@
+"""Autotuning on the real device: per kernel family, time the model's own steps under each candidate config.
+
+The candidates come from capabilities/tuning_space.py; each one regenerates the program with
+that family's config replaced (backends/generate.py's ``launch`` knob, everything else as the
+Plan says), loads it and times a decode step at ``batch`` and a prefill, as the runtime runs them
+(CUDA graphs where the Plan captures). Families are tuned one after another, each against the
+defaults of the others; an entry keeps the default unless a candidate is faster. The result is a
+capabilities/tuning.py file the next compile's Plan reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portlayer.capabilities.requirements import ModelRequirements
+from portlayer.capabilities.tuning import TuningFile, shape_key, toolchain
+from portlayer.capabilities.tuning_space import candidates
+from portlayer.flatten.ir import Graph
+from portlayer.flatten.logits import feed_last_rows
+from portlayer.flatten.op_defs.attention import AttentionMetadata
+
+MARGIN = 0.02  # a candidate must beat the default by 2% of the step to replace it
+
+
+def _step_inputs(graph: Graph, lens: Sequence[int], context: Sequence[int], block: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list]:
+    """Feeds, metadata and a paged KV cache for one step: sequence b owns a contiguous run of blocks."""
+    total = [c + n for c, n in zip(context, lens)]
+    per = max(1, -(-max(total) // block))
+    md = AttentionMetadata.from_lens(list(lens), device=device)
+    md.seq_lens = torch.tensor(total, dtype=torch.int32, device=device)
+    md.max_seq_len = max(total)
+    md.block_tables = torch.arange(len(lens) * per, dtype=torch.int32, device=device).view(len(lens), per)
+    slots = [(b * per + p // block) * block + p % block for b, (c, n) in enumerate(zip(context, lens))
+             for p in range(c, c + n)]  # fmt: skip
+    md.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    types = graph.value_types()
+    caches = []
+    for n in graph.find("attention"):
+        k, v = types[n.inputs[1]], types[n.inputs[2]]
+        caches.append((torch.zeros(len(lens) * per, block, int(k.shape[1]), int(k.shape[2]), dtype=dtype, device=device),
+                       torch.zeros(len(lens) * per, block, int(v.shape[1]), int(v.shape[2]), dtype=dtype, device=device)))
+    vocab = int(graph.meta.get("vocab_size") or 2)
+    g = torch.Generator().manual_seed(0)
+    feeds = {"input_ids": torch.randint(0, vocab, (sum(lens),), generator=g).to(device),
+             "positions": torch.cat([torch.arange(c, c + n) for c, n in zip(context, lens)]).to(device)}
+    feed_last_rows(feeds, [v.name for v in graph.inputs], md)
+    return feeds, md, caches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e6
+
+
+class StepTimer:
+    """Generates, loads and times the program under one launch override."""
+
+    def __init__(self, graph: Graph, plan: Any, descriptor: Any, device: str, batch: int, context: int,
+                 prefill: int, iters: int, workdir: Path) -> None:
+        self.graph, self.plan, self.descriptor = graph, plan, descriptor
+        self.device = torch.device(device)
+        self.iters, self.workdir, self.n = iters, workdir, 0
+        dtype = getattr(torch, str(plan.compute_dtype))
+        block = int(plan.kv_block_size or 16)
+        self.decode = _step_inputs(graph, [1] * batch, [context] * batch, block, dtype, self.device)
+        self.prefill = _step_inputs(graph, [prefill], [0], block, dtype, self.device)
+
+    def __call__(self, launch: dict[str, dict[str, int]]) -> float:
+        """Microseconds of one decode step plus one prefill step under ``launch``."""
+        from portlayer.backends.generate import generate
+        from portlayer.backends.triton_program import load_program
+        from portlayer.codegen.program import write_program
+
+        self.n += 1
+        out = self.workdir / f"candidate-{self.n}"
+        write_program(generate(self.graph, self.plan, self.descriptor, launch=launch), out)
+        prog = load_program(out, self.graph.weights, str(self.device), self.plan)
+        with torch.inference_mode():
+            t = sum(_time(lambda s=s, p=prog: p.run(*s), self.device, self.iters) for s in (self.decode, self.prefill))
+        del prog  # its weights, buffers and captured graphs: one candidate's program on the device at a time
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return t
+
+
+def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batch: int = 16, context: int = 128,
+         prefill: int = 128, iters: int = 10, families: Sequence[str] | None = None, limit: int = 6,
+         say: Callable[[str], None] = print, existing: TuningFile | None = None) -> TuningFile:
+    """Search each family's candidates; the tuning file for ``descriptor`` and this toolchain."""
+    req_json = (getattr(plan, "inputs", None) or {}).get("requirements")  # the ones the Plan was negotiated from
+    req = ModelRequirements.from_json(req_json) if req_json else ModelRequirements.from_graph(graph)
+    shape = shape_key(req, str(plan.compute_dtype))
+    out = existing or TuningFile(descriptor.name, descriptor.sha256, toolchain())
+    defaults = {d.name.removeprefix("launch."): dict(d.value) for d in plan
+                if d.name.startswith("launch.") and isinstance(d.value, dict) and d.value}  # fmt: skip
+    used = {k.get("family") for k in graph.meta.get("kernels", [])} | {"attention_decode", "attention_prefill",
+                                                                        "reshape_and_cache"}  # fmt: skip
+    if "gemm" in used:  # a GEMM group runs the few-rows kernel at decode sizes (codegen/gemm_rule.py)
+        used.add("gemv")
+    fams = [f for f in (families or defaults) if f in defaults and (f in used or families)]
+    with tempfile.TemporaryDirectory(prefix="portlayer-tune-") as tmp:
+        timer = StepTimer(graph, plan, descriptor, device, batch, context, prefill, iters, Path(tmp))
+        for fam in fams:
+            cands = candidates(fam, defaults[fam], descriptor, str(plan.compute_dtype), limit)
+            t0 = time.perf_counter()
+            times = []
+            for cfg in cands:
+                try:
+                    times.append(timer({fam: cfg}))
+                except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
+                    say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
+                    times.append(float("inf"))
+            best = min(range(len(cands)), key=lambda i: times[i])
+            if times[0] == float("inf"):
+                say(f"tune {fam}: the default config failed to run; family left untuned")
+                continue
+            if times[best] >= times[0] * (1 - MARGIN):  # within the noise of a step: keep the default
+                best = 0
+            out.put(fam, shape, cands[best], times[best], times[0], cands[0], len(cands))
+            say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
+                f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}")
+    return out

@@ -1,0 +1,94 @@
+"""GEMM throughput: one large matmul per dtype, and the small-M (decode) efficiency curve.
+
+The datasheet peak is what a square matmul of thousands reaches; a decode step multiplies a
+handful of rows by each weight, where the vendor GEMM is bound by reading the weight, not by
+FLOPs. The curve (M -> TFLOP/s and effective GB/s at K = N) is what the cost model reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, iters_for, sig, sync, time_per_iter
+
+MATMUL_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16}  # fmt: skip
+COMPUTE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _matmul_fn(dtype: str, n: int, device: torch.device) -> Callable[[], Any] | None:
+    if dtype == "int8":
+        if not hasattr(torch, "_int_mm"):
+            return None
+        a = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device)
+        b = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device)
+        return lambda: torch._int_mm(a, b)
+    if dtype == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            return None
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=TORCH_DTYPES[dtype])
+    b = torch.randn(n, n, device=device, dtype=TORCH_DTYPES[dtype])
+    return lambda: torch.mm(a, b)
+
+
+def measure_matmul(device: torch.device, dtype: str, sizes: Sizes) -> float | None:
+    """Dense n^3 matmul TFLOP/s (TOP/s for int8); None when this torch/device cannot run it."""
+    if dtype == "tf32" and device.type != "cuda":
+        return None
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        n = sizes.matmul_n
+        fn = _matmul_fn(dtype, n, device)
+        if fn is None:
+            return None
+        iters = iters_for(fn, device, sizes.max_seconds_per_dtype / max(1, sizes.reps), sizes.iters)
+        t = time_per_iter(fn, device, iters, min(sizes.warmup, iters), sizes.reps)
+        return 2 * n**3 / t / 1e12
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def measure_matmuls(device: torch.device, sizes: Sizes, progress: Progress) -> dict[str, float]:
+    """dtype -> TFLOP/s for every dtype this torch/device runs (unsupported ones left out)."""
+    out = {}
+    for k in MATMUL_DTYPES:
+        progress.start(f"matmul {k} {sizes.matmul_n}^3")
+        v = measure_matmul(device, k, sizes)
+        if v is not None and v == v and v > 0 and v != float("inf"):
+            out[k] = v
+            progress.done(f"{v:.4g} TFLOP/s")
+        else:
+            progress.done("not measured: this torch/device has no such matmul")
+    return out
+
+
+def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress,
+                    k: int | None = None) -> list[dict[str, Any]]:
+    """The vendor GEMM as the compiled program calls it (torch.mm(x, W.t(), out=...)) at M rows x K=N=k
+    (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its size)."""
+    k = k or sizes.gemm_k
+    w = torch.randn(k, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
+    rows = []
+    progress.start(f"decode GEMM curve {dtype} M={list(sizes.gemm_ms)} K=N={k}")
+    for m in sizes.gemm_ms:
+        x = torch.randn(m, k, device=device, dtype=w.dtype)
+        out = torch.empty(m, k, device=device, dtype=w.dtype)
+        fn = lambda x=x, out=out: torch.mm(x, w.t(), out=out)  # noqa: E731
+        fn()
+        sync(device)
+        t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 200), sizes.warmup, sizes.reps, graphed=True)
+        moved = (m * k + k * k + m * k) * w.element_size()
+        rows.append({"m": m, "tflops": sig(2 * m * k * k / t / 1e12), "gbps": sig(moved / t / 1e9), "us": sig(t * 1e6)})
+    progress.done(", ".join(f"M={r['m']} {r['tflops']:g} TFLOP/s" for r in rows))
+    return rows

@@ -1,0 +1,108 @@
+"""Kernel launch latency: eagerly, and inside a replayed graph where the device has graphs.
+
+A decode step of a small model is dozens of tiny kernels; what each launch costs, and what it
+costs once the step is captured into a CUDA graph, is most of that step's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, sync
+
+
+def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
+    """Microseconds per tiny op launched eagerly (host time, the queue kept full)."""
+    x = torch.zeros(1, device=device)
+    for _ in range(100):
+        x.add_(1)
+    sync(device)
+    runs = []
+    for _ in range(max(1, sizes.reps)):
+        t0 = time.perf_counter()
+        for _ in range(sizes.launches):
+            x.add_(1)
+        sync(device)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / sizes.launches * 1e6
+
+
+def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200) -> float | None:
+    """Microseconds per tiny kernel inside a replayed CUDA graph; None where there are no graphs."""
+    if device.type != "cuda":
+        return None
+    x = torch.zeros(1, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            x.add_(1)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    for _ in range(3):
+        graph.replay()
+    sync(device)
+    reps = max(1, sizes.launches // kernels)
+    runs = []
+    for _ in range(max(1, sizes.reps)):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        sync(device)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / (reps * kernels) * 1e6
+
+
+def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
+    """Microseconds per graph node the torch codegen family runs: an op's reference implementation
+    (what its host program calls per node, several torch calls each) on one-token tensors."""
+    from portlayer.flatten.ops import get_op
+
+    h = 64
+    x, w = torch.randn(1, h, device=device), torch.randn(h, h, device=device)
+    calls = [(get_op("rms_norm"), [x, torch.ones(h, device=device)], {"eps": 1e-6}),
+             (get_op("add"), [x, x], {}), (get_op("silu"), [x], {}), (get_op("mul"), [x, x], {}),
+             (get_op("linear"), [x, w, None], {})]  # fmt: skip
+    calls = [(op, ins, op.complete_attrs(a)) for op, ins, a in calls]
+
+    def run() -> None:
+        for op, ins, attrs in calls:
+            op.reference(ins, attrs)
+
+    n = max(1, sizes.launches // 20)
+    with torch.inference_mode():
+        for _ in range(10):
+            run()
+        sync(device)
+        runs = []
+        for _ in range(max(1, sizes.reps)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            sync(device)
+            runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) / (n * len(calls)) * 1e6
+
+
+def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> dict[str, float | None]:
+    progress.start("launch latency (eager)")
+    eager = measure_launch_latency(device, sizes)
+    progress.done(f"{eager:.3g} us per tiny op")
+    progress.start("torch-family node (an op's reference implementation on one token)")
+    ref = measure_reference_op(device, sizes)
+    progress.done(f"{ref:.3g} us per node")
+    progress.start("launch latency (replayed graph)")
+    try:
+        graph = measure_graph_launch(device, sizes)
+    except RuntimeError as e:  # a driver without graph support: say so, keep the eager number
+        graph = None
+        progress.done(f"not measured: {str(e)[:120]}")
+    else:
+        progress.done("not measured: this device has no graphs" if graph is None else f"{graph:.3g} us per kernel")
+    return {"eager_us": eager, "graph_us": graph, "reference_op_us": ref}

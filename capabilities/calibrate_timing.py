@@ -1,0 +1,145 @@
+"""Timing and progress for the calibration micro-benchmarks.
+
+Every benchmark times the same way (device events on a GPU, perf_counter on the CPU, the
+median of a few repetitions so one noisy slice of a shared host does not set the number)
+and announces itself on stderr, so a user sees what runs and how long each part takes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+SIGNIFICANT = 4  # measurements keep 4 significant digits: a slow dtype is never rounded to 0
+
+
+def sig(x: float, digits: int = SIGNIFICANT) -> float:
+    """``x`` to ``digits`` significant digits; positive stays positive (round(x, 3) made 0.0004 TFLOP/s 0.0)."""
+    return float(f"{x:.{digits}g}")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How hard each benchmark pushes; ``quick`` presets keep the whole run inside its budget."""
+
+    copy_bytes: int  # largest buffer of the bandwidth sweep
+    matmul_n: int  # n of the n^3 matmul per dtype
+    iters: int
+    warmup: int
+    launches: int
+    max_seconds_per_dtype: float
+    reps: int = 3  # repetitions; the median is kept
+    gemm_k: int = 1024  # K = N of the small-M (decode) GEMM curve
+    gemm_ms: tuple[int, ...] = (1, 4, 16, 64, 256)
+    attn_points: tuple[tuple[int, int], ...] = ((1, 256), (8, 256))  # (batch, context) of the paged read
+    attn_heads: tuple[int, int, int] = (8, 2, 64)  # q heads, kv heads, head dim
+
+
+CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=1, launches=2000, max_seconds_per_dtype=0.6,
+                  gemm_ms=(1, 4, 16, 64, 256), attn_points=((1, 128), (8, 128), (1, 1024), (8, 1024)))  # fmt: skip
+CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=1, launches=5000, max_seconds_per_dtype=2.0,
+                 reps=5, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                 attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
+GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
+                  gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048), attn_points=((1, 1024), (16, 1024), (64, 1024)),
+                  attn_heads=(16, 8, 128))  # fmt: skip
+GPU_FULL = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=6.0,
+                 reps=5, gemm_k=4096, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+                 attn_points=((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128))  # fmt: skip
+CPU_SIZES, GPU_SIZES = CPU_QUICK, GPU_FULL  # names kept for callers of the first calibrate
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _once(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, reps: int = 1,
+                  graphed: bool = False) -> float:
+    """Seconds per call, the median of ``reps`` runs of ``iters`` calls after ``warmup``.
+
+    ``graphed`` (CUDA): the ``iters`` calls are captured once into a CUDA graph and replayed, so a
+    small kernel's time is its device time, not the host's launch rate (a decode step replays a
+    graph too); where capture fails the calls run eagerly."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if graphed and device.type == "cuda":
+        replay = _captured(fn, device, iters)
+        if replay is not None:
+            return statistics.median(_once(replay, device, 1) for _ in range(max(1, reps))) / iters
+    return statistics.median(_once(fn, device, iters) for _ in range(max(1, reps)))
+
+
+def _captured(fn: Callable[[], Any], device: torch.device, iters: int) -> Callable[[], Any] | None:
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        sync(device)
+        return graph.replay
+    except RuntimeError:
+        return None
+
+
+def iters_for(fn: Callable[[], Any], device: torch.device, budget_s: float, cap: int) -> int:
+    """How many calls fit ``budget_s`` (one timed call decides; at least 1, at most ``cap``)."""
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    first = time.perf_counter() - t0
+    return max(1, min(cap, int(budget_s / max(first, 1e-7))))
+
+
+class Progress:
+    """One stderr line per benchmark: what ran, what it found, how long it took."""
+
+    def __init__(self, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self._start = self.t0
+        self.lines: list[str] = []
+
+    def start(self, what: str) -> None:
+        self._start = time.perf_counter()
+        self._what = what
+
+    def done(self, result: str) -> None:
+        now = time.perf_counter()
+        line = f"calibrate [{now - self.t0:6.1f}s] {self._what}: {result} ({now - self._start:.1f}s)"
+        self.lines.append(line)
+        if self.enabled:
+            print(line, file=self.stream, flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,72 @@
+"""The launch configs an autotuning search may try per kernel family, within what the descriptor allows.
+
+Small on purpose (a handful per family, the default first): warps scaled by the warp size and
+capped by threads per unit, pipeline stages within shared memory, GEMM tiles whose stages fit.
+Row kernels (norms, embedding, rope, KV write) keep their block sizes, which the kernel needs to
+cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N. The few-rows
+GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+GEMM_TILES = ((128, 128, 64), (128, 64, 64), (64, 128, 64), (64, 64, 64), (64, 64, 32), (32, 64, 64))
+
+
+def _warps(default: int, warp: int, max_threads: int) -> list[int]:
+    out = []
+    for w in (default, default // 2, default * 2):
+        if w >= 1 and w * warp <= min(1024, max_threads) and w not in out:
+            out.append(w)
+    return out
+
+
+def _dedupe(cfgs: list[dict[str, int]]) -> list[dict[str, int]]:
+    seen, out = set(), []
+    for c in cfgs:
+        k = tuple(sorted(c.items()))
+        if k not in seen:
+            seen.add(k)
+            out.append(c)
+    return out
+
+
+def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: str = "bfloat16",
+               limit: int = 6) -> list[dict[str, int]]:
+    """Configs to time for ``family``; the first is ``default``; every one names the same parameters."""
+    base = dict(default)
+    if not base:
+        return []
+    cu = descriptor.compute_units
+    warp = int(descriptor.warp_size)
+    smem = int(cu.max_shared_memory_per_block_bytes or cu.shared_memory_per_unit_bytes or 0)
+    item = ITEMSIZE.get(dtype, 2)
+    out = [base]
+    if family == "gemm" and {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps"} <= set(base):
+        for bm, bn, bk in GEMM_TILES:
+            stage = (bm * bk + bk * bn) * item
+            for stages in (base["num_stages"], 2, 3, 4):
+                if stages * stage <= smem:
+                    for w in (4, 8):
+                        if w * warp <= cu.max_threads_per_unit:
+                            out.append({**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages, "num_warps": w})
+                    break
+    elif family.startswith("attention") and "num_stages" in base:
+        bd, bn = base.get("BLOCK_D", 128), base.get("BLOCK_N", 64)
+        stage = (base.get("BLOCK_M", 0) * bd + 2 * bn * bd) * item  # Q tile (prefill) + K and V tiles
+        for w in _warps(base["num_warps"], warp, cu.max_threads_per_unit):
+            for s in (base["num_stages"], 1, 2, 3):
+                if s == base["num_stages"] or s * stage <= smem:
+                    out.append({**base, "num_warps": w, "num_stages": s})
+    elif family == "gemv" and {"TILE", "PROGRAMS"} <= set(base):  # the kernel derives its blocks from these two
+        warps = _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)
+        for tile, programs in ((base["TILE"] // 2, base["PROGRAMS"]), (base["TILE"] * 2, base["PROGRAMS"]),
+                               (base["TILE"], base["PROGRAMS"] * 2), (base["TILE"], max(1, base["PROGRAMS"] // 2))):
+            out.append({**base, "TILE": tile, "PROGRAMS": programs})
+        out += [{**base, "num_warps": w} for w in warps]
+    else:
+        out += [{**base, "num_warps": w} for w in _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)]
+    return _dedupe(out)[:limit]

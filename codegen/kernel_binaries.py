@@ -1,0 +1,271 @@
+"""Launch an artifact's precompiled kernel binaries (cubin, hsaco) without Triton's compiler or runtime.
+
+Why not Triton's runtime: a kernel compiled at build time by one Triton (3.9 in CI) must launch on a
+device machine that has another Triton (3.6 on the H200), or none; Triton's launcher is itself C code
+it compiles into its cache on first use. The binary's ABI, recorded at build time from the PTX /
+AMDGPU metadata (codegen/aot.py ``write_binaries``), is all a launch needs: load the image with the
+driver (``cuModuleLoadData`` / ``hipModuleLoadData`` through ctypes), pass each runtime argument
+in signature order plus Triton's trailing scratch pointers, and launch on torch's current stream
+(so CUDA graph capture records it like any other kernel).
+
+:func:`bind` is called where kernels are loaded (codegen/host_support.load_kernels): with a
+``binaries.json`` among the verified artifact files and a matching device, each Triton JIT function
+is replaced by a :class:`BinaryKernel` with the same ``kernel[grid](*args, **constexprs)`` call
+syntax. No binaries (``--sources-only``), the Triton interpreter, a CPU device or
+``PORTLAYER_KERNEL_BINARIES=0``: the JIT functions are kept (today's behaviour). Binaries for another
+arch or a driver older than the toolchain needs: refused, with expected/found and what to run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from portlayer.errors import PortlayerError
+
+INDEX = "binaries.json"
+ENV = "PORTLAYER_KERNEL_BINARIES"
+_SCALAR = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
+           "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
+           "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
+           "fp64": ctypes.c_double, "f64": ctypes.c_double}
+_WIDTH = {"u8": 8, "b8": 8, "s8": 8, "u16": 16, "b16": 16, "s16": 16, "u32": 32, "b32": 32, "s32": 32, "f32": 32,
+          "u64": 64, "b64": 64, "s64": 64, "f64": 64, "ptr": 64}
+
+
+class KernelBinaryError(PortlayerError):
+    """The artifact's kernel binaries do not fit this device or driver, or could not be loaded or launched."""
+
+
+# ---- the driver -----------------------------------------------------------------------------------------
+
+
+class _Driver:
+    """The few CUDA driver / HIP module API calls a launch needs, through ctypes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        names = ("libcuda.so.1", "libcuda.so") if kind == "cuda" else ("libamdhip64.so", "libamdhip64.so.6")
+        for n in names:
+            try:
+                self.lib = ctypes.CDLL(n)
+                break
+            except OSError:
+                continue
+        else:
+            raise KernelBinaryError(f"cannot load the {kind} driver library ({' or '.join(names)}); "
+                                    "recompile the artifact with --sources-only to JIT on load")
+        p = "cu" if kind == "cuda" else "hip"
+        self.load_data = getattr(self.lib, f"{p}ModuleLoadData")
+        self.get_function = getattr(self.lib, f"{p}ModuleGetFunction")
+        self.set_attr = getattr(self.lib, f"{p}FuncSetAttribute")
+        self.launch = getattr(self.lib, f"{p}LaunchKernel" if kind == "cuda" else "hipModuleLaunchKernel")
+        self.launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 6, ctypes.c_uint, ctypes.c_void_p,
+                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self.driver_version = getattr(self.lib, f"{p}DriverGetVersion")
+        self._err = getattr(self.lib, f"{p}GetErrorName" if kind == "cuda" else "hipGetErrorName")
+
+    def check(self, rc: int, what: str) -> None:
+        if rc == 0:
+            return
+        name = ctypes.c_char_p()
+        if self.kind == "cuda":
+            self._err(rc, ctypes.byref(name))
+            text = name.value.decode() if name.value else "?"
+        else:
+            self._err.restype = ctypes.c_char_p
+            text = (self._err(rc) or b"?").decode()
+        raise KernelBinaryError(f"{what} failed: {text} ({rc})")
+
+    def version(self) -> int:
+        v = ctypes.c_int()
+        self.check(self.driver_version(ctypes.byref(v)), "DriverGetVersion")
+        return v.value
+
+    def function(self, image: bytes, entry: str, shared: int) -> ctypes.c_void_p:
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.load_data(ctypes.byref(mod), ctypes.c_char_p(image)), f"ModuleLoadData({entry})")
+        self.check(self.get_function(ctypes.byref(fn), mod, entry.encode()), f"ModuleGetFunction({entry})")
+        if shared > 48 * 1024:  # opt in to more than 48 KiB of dynamic shared memory (attribute 8 in both APIs)
+            self.check(self.set_attr(fn, 8, ctypes.c_int(shared)), f"FuncSetAttribute({entry}, shared={shared})")
+        return fn
+
+
+_DRIVERS: dict[str, _Driver] = {}
+
+
+def _driver(kind: str) -> _Driver:
+    if kind not in _DRIVERS:
+        _DRIVERS[kind] = _Driver(kind)
+    return _DRIVERS[kind]
+
+
+# ---- one kernel -------------------------------------------------------------------------------------------
+
+
+def check_abi(name: str, rec: Mapping[str, Any]) -> tuple[list[str], list[str], int]:
+    """(runtime argument names, their signature types, number of trailing scratch pointers) of one kernel
+    record, after checking the binary's parameter list against the kernel signature (count and widths)."""
+    sig = dict((a, t) for a, t in rec["args"])  # ordered: the kernel's parameter order
+    runtime = [a for a, t in sig.items() if t != "constexpr"]
+    types = [sig[a] for a in runtime]
+    params = list(rec["params"] or [])
+    extra = len(params) - len(runtime)
+    if extra < 1 or any(_WIDTH.get(p, 0) != 64 for p in params[len(runtime):]):
+        raise KernelBinaryError(f"{name}: the binary takes {len(params)} parameters ({params}), the signature "
+                                f"{len(runtime)} runtime arguments ({runtime}) plus scratch pointers; "
+                                "the binaries do not match the kernels: recompile the artifact")
+    for a, t, p in zip(runtime, types, params):
+        if t.startswith("*"):
+            ok = p in ("u64", "b64", "ptr")
+        else:
+            ok = t in _SCALAR and _WIDTH.get(p) == ctypes.sizeof(_SCALAR[t]) * 8
+        if not ok:
+            raise KernelBinaryError(f"{name}: argument {a} ({t}) meets binary parameter .{p}; the binaries do "
+                                    "not match the kernels: recompile the artifact")
+    return runtime, types, extra
+
+
+class BinaryKernel:
+    """``kernel[grid](*args, **constexprs)`` for one precompiled kernel: the call syntax of a Triton JIT
+    function, launching the verified binary through the driver."""
+
+    def __init__(self, name: str, rec: Mapping[str, Any], image: bytes, driver: _Driver, device: torch.device) -> None:
+        self.name, self.rec, self.device, self.driver = name, rec, device, driver
+        self.runtime, self.types, self.n_scratch = check_abi(name, rec)
+        self.constexprs = dict(rec["constexprs"])
+        self.block = int(rec["num_warps"]) * int(rec["warp_size"])
+        self.shared = int(rec["shared"])
+        self.fn = driver.function(image, rec["entry"], self.shared)
+        self._scratch: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"<BinaryKernel {self.name} ({self.rec['file']})>"
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.run(grid, args, kwargs)
+
+        return launch
+
+    def _bind(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+        values = list(args)
+        for a in self.runtime[len(values):]:
+            if a not in kwargs:
+                raise KernelBinaryError(f"{self.name}: argument {a} missing from the launch")
+            values.append(kwargs[a])
+        if len(values) != len(self.runtime):
+            raise KernelBinaryError(f"{self.name}: {len(values)} arguments, the binary takes {len(self.runtime)}")
+        for k, v in kwargs.items():
+            if k in self.constexprs and self.constexprs[k] != v:
+                raise KernelBinaryError(f"{self.name}: launched with {k}={v!r}, the binary was compiled for "
+                                        f"{self.constexprs[k]!r}; recompile the artifact")
+            if k == "num_warps" and int(v) != int(self.rec["num_warps"]):
+                raise KernelBinaryError(f"{self.name}: num_warps={v}, compiled with {self.rec['num_warps']}")
+        return values
+
+    def run(self, grid: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        if callable(grid):
+            grid = grid({**self.constexprs, **dict(zip(self.runtime, args)), **kwargs})
+        g = tuple(int(x) for x in grid) + (1, 1)
+        gx, gy, gz = g[0], g[1], g[2]
+        if gx * gy * gz == 0:
+            return
+        holders = self.pack(args, kwargs, gx * gy * gz)
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.driver.check(self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared,
+                                             ctypes.c_void_p(stream), params, None), f"launch of {self.name}")
+
+    def pack(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> list[Any]:
+        """The kernel parameters as ctypes values, in the binary's order: runtime arguments, then scratch."""
+        holders: list[Any] = []
+        for v, t in zip(self._bind(args, kwargs), self.types):
+            if t.startswith("*"):
+                ptr = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
+                holders.append(ctypes.c_uint64(ptr))
+            else:
+                holders.append(_SCALAR[t](v.item() if isinstance(v, torch.Tensor) else v))
+        scratch = 0
+        size = int(self.rec["global_scratch_size"])
+        if size:
+            need = size * programs + int(self.rec["global_scratch_align"])
+            if self._scratch is None or self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
+            align = int(self.rec["global_scratch_align"])
+            scratch = -(-self._scratch.data_ptr() // align) * align
+        return holders + [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
+
+
+# ---- binding an artifact's kernels ------------------------------------------------------------------------
+
+
+def _runtime_kind(device: torch.device) -> str | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return "hsaco" if getattr(torch.version, "hip", None) else "cubin"
+
+
+def _device_arch(device: torch.device, kind: str) -> str:
+    if kind == "cubin":
+        major, minor = torch.cuda.get_device_capability(device)
+        return str(major * 10 + minor)
+    return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", "?")).split(":")[0]
+
+
+def check_device(index: Mapping[str, Any], device: torch.device) -> tuple[str, _Driver]:
+    """(binary kind, driver) when the binaries fit ``device``; KernelBinaryError (expected/found) otherwise."""
+    kind = _runtime_kind(device)
+    t, tc = index["target"], index.get("toolchain", {})
+    made = f"{index['kind']} for {t['backend']}:{t['arch']} by triton {tc.get('triton', '?')}"
+    fix = ("recompile for this device (`portlayer compile MODEL --target <its descriptor>`), or with --sources-only "
+           "to JIT-compile the kernel sources on load")
+    if kind != index["kind"]:
+        raise KernelBinaryError(f"kernel binaries: expected a device that runs {index['kind']} ({made}); found "
+                                f"{device} ({kind or 'no binary loader'}); {fix}")
+    found = _device_arch(device, kind)
+    if str(t["arch"]) != found:
+        raise KernelBinaryError(f"kernel binaries: expected arch {t['arch']} ({made}); found {found} on {device} "
+                                f"({torch.cuda.get_device_name(device)}); {fix}")
+    drv = _driver("cuda" if kind == "cubin" else "hip")
+    need = tc.get("cuda_driver_min")
+    if kind == "cubin" and need:
+        have = drv.version()
+        major, minor = (int(x) for x in str(need).split(".")[:2])
+        if have < major * 1000 + minor * 10:
+            raise KernelBinaryError(f"kernel binaries: expected a CUDA driver >= {need} ({made}, ptxas "
+                                    f"{tc.get('ptxas_version', '?')}); found driver {have // 1000}.{have % 1000 // 10}; "
+                                    f"update the driver or {fix}")
+    return kind, drv
+
+
+def bind(fns: Mapping[str, Any], sources: Any, device: torch.device | str | None) -> dict[str, Any]:
+    """``fns`` (kernel name -> Triton JIT function) with each kernel that has a verified binary replaced by
+    a BinaryKernel, when the artifact carries binaries and ``device`` runs them (see the module docstring)."""
+    out = dict(fns)
+    files = getattr(sources, "files", {})
+    if INDEX not in files or device is None or os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return out
+    device = torch.device(device)
+    if device.type != "cuda":
+        return out
+    try:
+        index = json.loads(sources.read(INDEX))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KernelBinaryError(f"{sources.root}/{INDEX}: not readable JSON ({e}); recompile the artifact") from None
+    if index.get("format") != "portlayer-binaries/1" or index.get("kind") not in ("cubin", "hsaco"):
+        raise KernelBinaryError(f"{sources.root}/{INDEX}: format {index.get('format')!r} / kind {index.get('kind')!r} "
+                                "is not one this portlayer loads; recompile the artifact")
+    _, drv = check_device(index, device)
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)  # make torch's (primary) context current before loading modules
+        for name, rec in index["kernels"].items():
+            if name in out:
+                out[name] = BinaryKernel(name, rec, sources.read(rec["file"]), drv, device)
+    return out

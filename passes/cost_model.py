@@ -1,0 +1,245 @@
+"""Cost model: predicted time of one step from the Flat IR, the Plan and the descriptor.
+
+Per kernel group (graph.meta["kernels"], the fuse pass's groups, so what codegen launches):
+bytes it moves across its boundary, FLOPs of its nodes, the device curves (cost_model_curves)
+and launch cost; summed per step for a decode at (batch, context) or a prefill of N tokens.
+Pure: no device, no timing; `portlayer explain --predict` and `portlayer bench` print it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from portlayer.flatten.ir import Graph, Node, TensorType, dtype_itemsize
+from portlayer.flatten.ops import get_op
+from portlayer.passes.cost_model_curves import Curves
+
+GATHER_TABLE_RATIO = 8  # a parameter 8x larger than the node's output is a table read by index (embedding, rope)
+_LAYER = re.compile(r"layers?\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class GroupTime:
+    name: str
+    family: str
+    layer: str
+    us: float
+    bytes: int
+    flops: int
+    bound: str  # memory | compute | launch | attention
+
+
+@dataclass
+class StepPrediction:
+    phase: str  # decode | prefill
+    batch: int
+    context: int
+    tokens: int
+    ms: float
+    groups: list[GroupTime] = field(default_factory=list)
+    launches: int = 0
+    graphs: bool = False
+    host_ms: float = 0.0  # eager launches on an accelerator: host time queuing them (the step is the slower one)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.ms / 1e3) if self.ms > 0 else float("inf")
+
+    def by_family(self) -> dict[str, float]:
+        return _sum_by(self.groups, "family")
+
+    def by_layer(self) -> dict[str, float]:
+        return _sum_by(self.groups, "layer")
+
+
+def _sum_by(groups: Sequence[GroupTime], key: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for g in groups:
+        out[getattr(g, key)] = out.get(getattr(g, key), 0.0) + g.us / 1e3
+    return out
+
+
+def _layer_of(n: Node) -> str:
+    m = _LAYER.search(str(n.meta.get("source", "")) + ".")
+    return f"layer {int(m.group(1))}" if m else "other"
+
+
+def _input_bytes(name: str, graph: Graph, types: Mapping[str, TensorType], out_bytes: int, b: Mapping[str, int],
+                 weights: set[str]) -> int:
+    t = types.get(name)
+    if t is None:
+        return 0
+    n = t.nbytes(b)
+    if name in graph.params and name not in weights and n > GATHER_TABLE_RATIO * max(out_bytes, 1):
+        return out_bytes  # rows gathered from a table (embedding, rope cache), not the whole table
+    return n
+
+
+def _group_traffic(rec: Mapping[str, Any], nodes: list[Node], graph: Graph, types: Mapping[str, TensorType],
+                   b: Mapping[str, int]) -> tuple[int, int]:
+    out_bytes = sum(types[o].nbytes(b) for o in rec.get("outputs", []) if o in types)
+    weights = {i for n in nodes if n.op in ("linear", "matmul", "linear_wq") for i in n.inputs[1:] if i}  # read whole
+    in_bytes = sum(_input_bytes(i, graph, types, out_bytes, b, weights) for i in rec.get("inputs", []) if i)
+    flops = 0
+    for n in nodes:
+        ins = [types.get(i) if i is not None else None for i in n.inputs]
+        flops += get_op(n.op).cost(ins, [v.type for v in n.outputs], n.attrs, b).flops
+    return in_bytes + out_bytes, flops
+
+
+def _gemm(nodes: list[Node], graph: Graph, types: Mapping[str, TensorType], b: Mapping[str, int]) -> tuple[int, int, int] | None:
+    for n in nodes:
+        if n.op in ("linear", "matmul", "linear_wq") and len(n.inputs) > 1 and n.inputs[1] in types:
+            w = types[n.inputs[1]]
+            if n.op == "linear_wq":  # packed integer weight [N, K * bits / 8]: K from the activation
+                nn, k = int(w.shape[0]), int(types[n.inputs[0]].shape[-1])
+            elif n.op == "linear":
+                nn, k = int(w.shape[0]), int(w.shape[-1])
+            else:
+                k, nn = int(w.shape[-2]), int(w.shape[-1])
+            m = max(1, n.outputs[0].type.numel(b) // max(nn, 1))
+            return m, k, nn
+    return None
+
+
+def _attention(nodes: list[Node], types: Mapping[str, TensorType], phase: str, batch: int, context: int,
+               tokens: int) -> tuple[int, int, str, int] | None:
+    """(KV bytes read, FLOPs, cache dtype, float32 score bytes a torch-op implementation materialises)."""
+    for n in nodes:
+        if n.op != "attention":
+            continue
+        k, v = types[n.inputs[1]], types[n.inputs[2]]
+        hq, hkv = int(n.attrs.get("num_heads", 1)), int(k.shape[1])
+        dk, dv = int(k.shape[2]), int(v.shape[2])
+        item = dtype_itemsize(k.dtype)
+        if phase == "decode":
+            kv = batch * (context + 1) * hkv * (dk + dv) * item
+            flops = 2 * batch * (context + 1) * hq * (dk + dv)
+            scores = batch * hq * (context + 1) * 4
+        else:
+            kv = 2 * tokens * hkv * (dk + dv) * item  # written once, read back by the kernel
+            span = (tokens + 1) / 2 if n.attrs.get("causal", True) else tokens
+            flops = int(2 * tokens * span * hq * (dk + dv))
+            scores = hq * tokens * tokens * 4
+        return kv, flops, k.dtype, scores
+    return None
+
+
+def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str = "decode", batch: int = 1,
+            context: int = 128, tokens: int | None = None) -> StepPrediction:
+    """Predicted time of one step. ``phase`` decode: ``batch`` sequences of one new token over ``context``
+    cached ones; prefill: one sequence of ``tokens`` new tokens (``batch`` ignored)."""
+    kernels = graph.meta.get("kernels")
+    if not kernels:
+        raise ValueError("cost model: the graph has no kernel groups (graph.meta['kernels']); run the pass pipeline first")
+    curves = Curves.from_descriptor(descriptor)
+    if phase == "decode":
+        b = {"num_tokens": batch, "num_seqs": batch}
+        new_tokens = batch
+    elif phase == "prefill":
+        new_tokens = int(tokens or 128)
+        b, batch, context = {"num_tokens": new_tokens, "num_seqs": 1}, 1, 0
+    else:
+        raise ValueError(f"cost model: phase {phase!r} is not decode or prefill")
+    sym = graph.meta.get("token_symbol", "num_tokens")
+    b[sym] = b["num_tokens"]
+    types = graph.value_types()
+    by_name = {n.name: n for n in graph.nodes}
+    dtype = str(_plan_value(plan, "compute_dtype", "float32"))
+    torch_family = descriptor.get("codegen") == "torch"
+    sizes = _plan_value(plan, "graph_capture_sizes", []) or []
+    graphs = phase == "decode" and not torch_family and any(int(s) >= batch for s in sizes)
+    per_launch = (curves.graph_launch_us if curves.graph_launch_us is not None else 1.0) if graphs else curves.launch_us
+    if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
+        per_launch = curves.node_us
+    elif not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
+        per_launch = curves.generated_launch_us
+    groups, launches, host_us = [], 0, 0.0
+    for rec in kernels:
+        members = [by_name[n] for n in rec["nodes"] if n in by_name]
+        compute = [n for n in members if get_op(n.op).kind != "view"]
+        if not compute:
+            continue
+        nbytes, flops = _group_traffic(rec, compute, graph, types, b)
+        n_launch = len(compute) if torch_family or rec.get("family") == "torch" else 1
+        launches += n_launch
+        attn = _attention(compute, types, phase, batch, context, new_tokens)
+        gemm = _gemm(compute, graph, types, b)
+        if attn is not None:
+            kv, aflops, kv_dtype, scores = attn
+            work = max(kv, scores) if torch_family else kv  # torch ops write the [heads, q, k] scores; a fused kernel does not
+            dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family) + curves.memory_us(nbytes)
+            nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
+        elif gemm is not None:
+            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype,
+                                    path=_gemm_path(descriptor, rec, gemm[0], torch_family))
+            bound = "compute" if flops / (curves.peak_tflops(dtype) * 1e6) > nbytes / (curves.bandwidth_gbps * 1e3) else "memory"
+        else:
+            dev_us, bound = curves.memory_us(nbytes), "memory"
+        launch_us = n_launch * per_launch
+        host_us += launch_us
+        us = dev_us + launch_us if torch_family else (max(dev_us, per_launch) if graphs else dev_us)
+        if dev_us < per_launch:
+            bound = "launch"
+        groups.append(GroupTime(rec["name"], rec.get("family", "?"), _layer_of(compute[0]), us, nbytes, flops, bound))
+    device_us = sum(g.us for g in groups)
+    if torch_family:  # the host runs every op itself: times add
+        total = device_us
+    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above)
+        total = device_us
+    else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
+        total = max(device_us, host_us)
+    host = host_us / 1e3 if not (torch_family or graphs) else 0.0
+    return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs, host)
+
+
+def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool) -> str:
+    """Which GEMM codegen runs at M rows (codegen/gemm_rule.py's thresholds from the descriptor)."""
+    impl = rec.get("impl")
+    if torch_family or impl not in ("triton.gemm", "triton.gemm_wq"):
+        return "vendor"
+    tuning = descriptor.get("tuning") or {}
+    if m <= int(tuning.get("gemv_max_tokens", 0)):
+        return "gemv"
+    if impl == "triton.gemm_wq":  # weight-only quantized: always a generated kernel
+        return "triton"
+    return "triton" if m <= int(tuning.get("triton_gemm_max_tokens", 0)) else "vendor"
+
+
+def _plan_value(plan: Any, name: str, default: Any) -> Any:
+    try:
+        return plan.value(name)
+    except (KeyError, AttributeError):
+        return default
+
+
+def predict_steps(graph: Graph, plan: Any, descriptor: Mapping[str, Any], batches: Sequence[int] = (1, 16, 64),
+                  context: int = 128, prefill_tokens: int = 128) -> list[StepPrediction]:
+    """The standard set: decode at each batch, then one prefill."""
+    out = [predict(graph, plan, descriptor, "decode", b, context) for b in batches]
+    out.append(predict(graph, plan, descriptor, "prefill", tokens=prefill_tokens))
+    return out
+
+
+def format_predictions(preds: Sequence[StepPrediction], detail: bool = True) -> str:
+    """ms/step and tok/s per step, then (for the first decode and the prefill) per family and per layer."""
+    lines = ["predicted (cost model; docs/capabilities.md):"]
+    for p in preds:
+        what = f"decode   batch {p.batch:>3}" if p.phase == "decode" else f"prefill {p.tokens:>5} tok"
+        ctx = f"  (context {p.context})" if p.phase == "decode" else ""
+        mode = ", graph replay" if p.graphs else (", host-bound (launches)" if p.host_ms >= p.ms > 0 else "")
+        lines.append(f"  {what}  {p.ms:9.3f} ms/step {p.tokens_per_s:11.1f} tok/s  {p.launches} launches{mode}{ctx}")
+    if detail:
+        for p in [q for q in preds if q.phase == "decode"][:1] + [q for q in preds if q.phase == "prefill"][:1]:
+            head = f"decode batch {p.batch}" if p.phase == "decode" else f"prefill {p.tokens}"
+            fam = ", ".join(f"{k} {v:.3g}" for k, v in sorted(p.by_family().items(), key=lambda kv: -kv[1]))
+            lines.append(f"  {head} per family (ms{', device time' if p.host_ms >= p.ms > 0 else ''}): {fam}")
+            layers = p.by_layer()
+            per = [v for k, v in layers.items() if k != "other"]
+            if per:
+                lines.append(f"  {head} per layer (ms): {len(per)} layers, {min(per):.3g}..{max(per):.3g} each; "
+                             f"outside layers {layers.get('other', 0.0):.3g}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The device side of the cost model: time of a memory-bound op, a GEMM, a paged attention read.
+
+From a calibrated descriptor's ``calibration`` curves (bandwidth sweep, small-M GEMM curve,
+paged-attention fit, launch latency) when it has them; from the peaks (bandwidth_gbps,
+throughput_tflops, launch_overhead_us) otherwise. Pure functions of the descriptor's data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_KEYS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "float64": "fp64"}
+
+
+def interp_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear interpolation of ys over log(xs); clamped at both ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            f = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+            return ys[i - 1] + f * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+def _at(curve: Sequence[tuple[int, float]], m: int) -> float:
+    """Microseconds at M rows from a (M, us) curve: log-interpolated, linear in M past its end (compute-bound)."""
+    ms, us = [c[0] for c in curve], [c[1] for c in curve]
+    return us[-1] * m / ms[-1] if m > ms[-1] else interp_log(m, ms, us)
+
+
+@dataclass(frozen=True)
+class Curves:
+    """What the device sustains; every time in microseconds."""
+
+    bandwidth_gbps: float
+    tflops: Mapping[str, float]
+    launch_us: float
+    graph_launch_us: float | None
+    sweep: tuple[tuple[int, float], ...] = ()  # (bytes, copy GB/s)
+    gemm: Mapping[str, tuple[tuple[int, float], ...]] = None  # dtype -> (M, us at K = N = gemm_k)
+    gemm_k: int = 0
+    attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps (torch-family fit)
+    calibrated: bool = False
+    attention_points: tuple[Mapping[str, Any], ...] = ()
+    gemm_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same curve at a small K = N
+    gemm_small_k: int = 0
+    node_us: float | None = None  # torch family: host cost of one node (its reference implementation)
+    crossover: Mapping[str, tuple[tuple[int, float], ...]] = None  # path (triton, gemv) -> (M, us) at K = N = crossover_k
+    crossover_k: int = 0
+    generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
+    attention_kernel: str | None = None  # what the attention calibration timed
+
+    def ops_per_sequence(self) -> float | None:
+        """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
+        many sweep-sized ops one measured sequence cost (the median over the calibration points)."""
+        if not (self.sweep and self.attention_points):
+            return None
+        ks = sorted(p["us"] / p["batch"] / self.memory_us(p["kv_bytes"] / p["batch"]) for p in self.attention_points)
+        return ks[len(ks) // 2]
+
+    @staticmethod
+    def from_descriptor(raw: Mapping[str, Any]) -> Curves:
+        cal = raw.get("calibration") or {}
+        sweep = tuple((int(r["bytes"]), float(r["copy_gbps"])) for r in cal.get("bandwidth_sweep", ()))
+        gemm = {k: tuple((int(r["m"]), float(r["us"])) for r in rows)
+                for k, rows in (cal.get("gemm_curves") or {}).items() if rows}  # fmt: skip
+        small = {k: tuple((int(r["m"]), float(r["us"])) for r in rows)
+                 for k, rows in (cal.get("gemm_curves_small") or {}).items() if rows}  # fmt: skip
+        cross = cal.get("gemm_crossover") or {}
+        paths = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points", ()) if f"{path}_us" in p)
+                 for path in ("triton", "gemv", "vendor")}  # fmt: skip
+        launch = cal.get("launch_us") or {}
+        attn = cal.get("attention") or {}
+        return Curves(
+            bandwidth_gbps=float(raw["memory"]["bandwidth_gbps"]), tflops=dict(raw["throughput_tflops"]),
+            launch_us=float(launch.get("eager_us") or raw.get("launch_overhead_us") or 5.0),
+            graph_launch_us=launch.get("graph_us"), sweep=sweep, gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
+            attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
+            calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
+            gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
+            crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
+            generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
+        )  # fmt: skip
+
+    def peak_tflops(self, dtype: str) -> float:
+        key = DTYPE_KEYS.get(dtype, dtype)
+        return float(self.tflops.get(key) or self.tflops.get("fp32") or min(self.tflops.values()))
+
+    def memory_us(self, nbytes: float) -> float:
+        """A memory-bound kernel moving ``nbytes`` (reads + writes)."""
+        if nbytes <= 0:
+            return 0.0
+        if not self.sweep:
+            return nbytes / (self.bandwidth_gbps * 1e3)
+        sizes, gbps = [s for s, _ in self.sweep], [g for _, g in self.sweep]
+        if nbytes <= sizes[0]:  # below the sweep: the smallest kernel's time is the floor
+            return sizes[0] / (gbps[0] * 1e3)
+        return nbytes / (interp_log(nbytes, sizes, gbps) * 1e3)
+
+    def floor_us(self) -> float:
+        return self.memory_us(1.0) if self.sweep else 0.0
+
+    def gemm_us(self, m: int, k: int, n: int, flops: float, nbytes: float, dtype: str, path: str = "vendor") -> float:
+        """One GEMM of M rows by a [N, K] weight: the calibrated small-M curve scaled by K*N, or the peaks.
+
+        ``path`` triton / gemv: the generated kernels' crossover timings where calibration measured them."""
+        floor = nbytes / (self.bandwidth_gbps * 1e3)
+        measured = (self.crossover or {}).get(path) if path != "vendor" else None
+        if measured and self.crossover_k:
+            return max(_at(measured, m) * (k * n) / self.crossover_k**2, floor)
+        curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
+        if not curve or not self.gemm_k:
+            return max(flops / (self.peak_tflops(dtype) * 1e6), floor)
+        at = _at(curve, m)
+        small = self.gemm_small.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm_small else None
+        if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
+            lo, k0 = _at(small, m), self.gemm_small_k
+            per = max(0.0, (at - lo) / (self.gemm_k**2 - k0**2))
+            fixed = max(0.0, lo - per * k0**2)
+            return max(fixed + per * k * n, floor)
+        base = min(self.floor_us(), curve[0][1] * 0.5)
+        return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
+
+    def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:
+        """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs."""
+        compute = flops / (self.peak_tflops(dtype) * 1e6)
+        batched = "sdpa" in str(self.attention_kernel or "")  # one call for the whole step: the fit's terms
+        k = self.ops_per_sequence() if torch_family and not batched else None
+        if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
+            return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute
+        if torch_family and self.attention:
+            a = self.attention
+            return a["fixed_us"] + a["per_seq_us"] * batch + kv_bytes / (a["gbps"] * 1e3) + compute
+        # the cache is read once per step: at the DRAM/HBM rate, not the cache-hot rate of a small sweep size
+        return max(self.memory_us(kv_bytes), kv_bytes / (self.bandwidth_gbps * 1e3), compute)

@@ -1,0 +1,74 @@
+"""Varlen flash attention (prefill).
+
+Variable-length causal flash attention over the packed token stream.
+Grid (cdiv(max_query_len, BLOCK_M), num_seqs, HQ): one program owns BLOCK_M query rows of
+one sequence and one head. Keys and values come from the token stream itself
+(no KV cache): each sequence attends within its own new tokens.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attn_prefill_dense_bf16_f826c5(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    query_start_ptr,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    mblock = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kvh = head // GROUP
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if mblock * BLOCK_M < q_len:
+        seq_len = q_len
+        context = seq_len - q_len  # tokens cached before this step
+        m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        qmask = m < q_len
+        dmask = d < D
+        q_pos = context + m
+        q_rows = (q_start + m).to(tl.int64) * HQ * D + head * D
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=qmask[:, None] & dmask[None, :], other=0.0)
+
+        hi = tl.minimum(seq_len, context + (mblock + 1) * BLOCK_M)
+        lo = 0
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < hi
+            kv_rows = (q_start + n).to(tl.int64) * HKV * D + kvh * D
+            kvmask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            keep = nmask[None, :]
+            keep = keep & (n[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out, mask=qmask[:, None] & dmask[None, :])

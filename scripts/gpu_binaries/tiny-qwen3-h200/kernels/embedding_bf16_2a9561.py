@@ -1,0 +1,24 @@
+"""Embedding lookup.
+
+Row gather: out[t, :] = weight[ids[t], :], one program per token.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def embedding_bf16_2a9561(
+    weight_ptr,
+    ids_ptr,
+    out_ptr,
+    n_tokens,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + t).to(tl.int64)
+    for start in tl.static_range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        tl.store(out_ptr + t * N + cols, tl.load(weight_ptr + row * N + cols, mask=mask), mask=mask)

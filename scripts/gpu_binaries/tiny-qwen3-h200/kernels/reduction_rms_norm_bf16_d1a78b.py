@@ -1,0 +1,29 @@
+"""Row rms_norm.
+
+One program normalises one row of N elements held in registers (BLOCK_N >= N, both constexpr).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reduction_rms_norm_bf16_d1a78b(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n_rows,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / N
+    y = x * tl.rsqrt(mean_sq + eps)
+    y = y.to(tl.bfloat16).to(tl.float32)  # HF casts back to the input dtype before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = y * w
+    tl.store(out_ptr + row * N + cols, y, mask=mask)

@@ -1,0 +1,156 @@
+"""GPU artifacts carry one compiled binary per kernel (cubin for CUDA, hsaco for ROCm), listed in the
+manifest with sha256 and toolchain; the loader's device / ABI checks refuse what does not fit.
+
+Compiled here without a GPU (Triton's AOT path, codegen/aot.py). The binaries are checked with tools
+that did not make them: NVIDIA's cuobjdump (bundled with Triton) for the cubin's SM, the ELF header
+for the hsaco's machine and gfx target. Launching them needs the GPU: scripts/gpu_binaries.sh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import portlayer
+from portlayer.codegen import kernel_binaries as KB
+from portlayer.runtime.artifact import ArtifactError
+
+EM_CUDA, EM_AMDGPU, EF_AMDGPU_MACH_GFX942 = 190, 224, 0x4C
+
+
+@pytest.fixture(scope="module")
+def arts(tiny_dirs, tmp_path_factory):
+    out = {}
+    for target in ("nvidia-h200", "amd-mi300x"):
+        d = tmp_path_factory.mktemp("bin") / target
+        portlayer.compile(str(tiny_dirs["tiny-qwen3"]), target=target, output=d, progress=False, sources_only=False)
+        out[target] = d
+    return out
+
+
+def _elf(data: bytes) -> tuple[int, int]:
+    assert data[:4] == b"\x7fELF" and data[4] == 2  # ELF64
+    return int.from_bytes(data[18:20], "little"), int.from_bytes(data[48:52], "little")  # e_machine, e_flags
+
+
+@pytest.mark.parametrize("target,kind", [("nvidia-h200", "cubin"), ("amd-mi300x", "hsaco")])
+def test_manifest_lists_one_binary_per_kernel(arts, target, kind):
+    import triton
+
+    art = arts[target]
+    m = json.loads((art / "manifest.json").read_text())
+    kernels = json.loads((art / "kernels.json").read_text())["kernels"]
+    b = m["binaries"]
+    assert b["kind"] == kind and set(b["kernels"]) == set(kernels)
+    assert b["toolchain"]["triton"] == triton.__version__
+    for name, k in b["kernels"].items():
+        data = (art / k["file"]).read_bytes()
+        assert k["file"].endswith(f".{kind}") and m["files"][k["file"]]["kind"] == "source"
+        assert hashlib.sha256(data).hexdigest() == k["sha256"] == m["files"][k["file"]]["sha256"]
+        machine, flags = _elf(data)
+        if kind == "hsaco":
+            assert machine == EM_AMDGPU and flags & 0xFF == EF_AMDGPU_MACH_GFX942, (name, hex(flags))
+        else:
+            assert machine == EM_CUDA
+    assert m["files"]["binaries.json"]["kind"] == "source"
+
+
+def test_cubins_are_sm90_by_cuda_12_ptxas(arts):
+    from triton import knobs
+
+    art = arts["nvidia-h200"]
+    b = json.loads((art / "manifest.json").read_text())["binaries"]
+    assert b["toolchain"]["ptxas_version"].startswith("12.") and b["toolchain"]["cuda_driver_min"] == "12.0"
+    cuobjdump = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
+    for k in list(b["kernels"].values())[:3]:
+        text = subprocess.run([str(cuobjdump), "--list-elf", str(art / k["file"])], capture_output=True, text=True)
+        dump = subprocess.run([str(cuobjdump), "--dump-elf", str(art / k["file"])], capture_output=True, text=True)
+        assert "sm_90" in (text.stdout + dump.stdout), text.stdout + text.stderr
+
+
+@pytest.mark.parametrize("target", ["nvidia-h200", "amd-mi300x"])
+def test_every_kernel_abi_matches_its_signature(arts, target):
+    index = json.loads((arts[target] / "binaries.json").read_text())
+    kernels = json.loads((arts[target] / "kernels.json").read_text())["kernels"]  # the generator's order
+    for name, rec in index["kernels"].items():
+        runtime, _, scratch = KB.check_abi(name, rec)
+        assert scratch == 2 and runtime == [a for a, t in kernels[name]["signature"].items() if t != "constexpr"]
+    name, rec = next(iter(index["kernels"].items()))
+    with pytest.raises(KB.KernelBinaryError, match="do not match the kernels"):
+        KB.check_abi(name, {**rec, "params": rec["params"][1:]})
+
+
+def test_other_arch_or_kind_is_refused_with_expected_and_found(arts, monkeypatch):
+    cuda = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    rocm = json.loads((arts["amd-mi300x"] / "binaries.json").read_text())
+    monkeypatch.setattr(KB, "_runtime_kind", lambda device: "cubin")
+    monkeypatch.setattr(KB, "_device_arch", lambda device, kind: "80")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(KB.KernelBinaryError, match=r"expected arch 90 .*found 80 .*--sources-only"):
+        KB.check_device(cuda, torch.device("cuda:0"))
+    with pytest.raises(KB.KernelBinaryError, match=r"expected a device that runs hsaco .*found cuda:0 \(cubin\)"):
+        KB.check_device(rocm, torch.device("cuda:0"))
+
+
+def test_cpu_and_interpreter_keep_the_jit_functions(arts):
+    from portlayer.runtime.artifact import verified_sources, verify_artifact
+
+    src = verified_sources(verify_artifact(arts["nvidia-h200"]))
+    assert KB.INDEX in src.files and any(r.endswith(".cubin") for r in src.files)
+    fns = {"a": object()}
+    assert KB.bind(fns, src, "cpu") == fns
+
+
+def test_tampered_binary_is_refused(arts, tmp_path):
+    import shutil
+
+    art = tmp_path / "copy"
+    shutil.copytree(arts["nvidia-h200"], art)
+    victim = next((art / "binaries").glob("*.cubin"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=victim.name):
+        portlayer.load(art)
+
+
+def test_sources_only_ships_no_binaries(tiny_dirs, tmp_path):
+    from portlayer.cli import main
+
+    out = tmp_path / "src-only"
+    assert main(["compile", str(tiny_dirs["tiny-qwen3"]), "--target", "nvidia-h200", "-o", str(out), "--no-progress",
+                 "--sources-only"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert "binaries" not in m and not (out / "binaries").exists()
+    assert m["options"]["sources_only"] is True and any(f.startswith("kernels/") for f in m["files"])
+
+
+class _NoDriver:
+    """Packing parameters needs no GPU; loading and launching do (scripts/gpu_binaries.sh)."""
+
+    def function(self, image, entry, shared):
+        return None
+
+
+def test_launch_parameters_follow_the_binary_abi(arts):
+    import ctypes
+
+    index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
+    rec = index["kernels"][name]
+    assert [a for a, t in rec["args"] if t != "constexpr"] == ["x_ptr", "w_ptr", "out_ptr", "n_rows", "eps"]
+    k = KB.BinaryKernel(name, rec, b"", _NoDriver(), torch.device("cpu"))
+    x, w, out = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), torch.empty(4, 64)
+    held = k.pack((x, w, out), {"n_rows": 4, "eps": 1e-6, **rec["constexprs"], "num_warps": rec["num_warps"]})
+    assert [type(h) for h in held] == [ctypes.c_uint64] * 3 + [ctypes.c_int32, ctypes.c_float] + [ctypes.c_uint64] * 2
+    assert [h.value for h in held[:4]] == [x.data_ptr(), w.data_ptr(), out.data_ptr(), 4]
+    assert held[4].value == pytest.approx(1e-6) and held[5].value == held[6].value == 0  # no scratch needed
+    assert k.block == rec["num_warps"] * 32
+    wrong = {**rec["constexprs"], "N": 2 * rec["constexprs"]["N"]}
+    with pytest.raises(KB.KernelBinaryError, match="compiled for"):
+        k.pack((x, w, out, 4, 1e-6), wrong)

@@ -1,0 +1,170 @@
+"""Cost model on synthetic descriptors: the predicted time follows bandwidth, FLOP/s, launches and KV bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from ir_samples import HEAD_DIM, KV_HEADS, tiny_decoder
+
+from portlayer.capabilities.descriptor import load_descriptor
+from portlayer.passes.cost_model import format_predictions, predict, predict_steps
+from portlayer.passes.cost_model_curves import Curves
+from portlayer.passes.pipeline import run_pipeline
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return run_pipeline(tiny_decoder(tied=False), "cpu-x86_64")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return run_pipeline(tiny_decoder(tied=False), "nvidia-h200")
+
+
+def synthetic(name: str, bandwidth: float = 100.0, tflops: float = 1e6, launch: float = 1e-9) -> dict:
+    raw = copy.deepcopy(dict(load_descriptor(name).raw))
+    raw["memory"]["bandwidth_gbps"] = bandwidth
+    raw["throughput_tflops"] = {k: tflops for k in raw["throughput_tflops"]}
+    raw["launch_overhead_us"] = launch
+    raw.pop("calibration", None)
+    return raw
+
+
+def test_doubling_bandwidth_halves_memory_bound_time(cpu, gpu):
+    for res, name in ((cpu, "cpu-x86_64"), (gpu, "nvidia-h200")):
+        t1 = predict(res.graph, res.plan, synthetic(name, bandwidth=50.0), "prefill", tokens=8)
+        t2 = predict(res.graph, res.plan, synthetic(name, bandwidth=100.0), "prefill", tokens=8)
+        assert t2.ms == pytest.approx(t1.ms / 2, rel=1e-6)
+        assert {g.bound for g in t1.groups} <= {"memory", "attention"}
+
+
+def test_doubling_tflops_halves_compute_bound_time(cpu):
+    t1 = predict(cpu.graph, cpu.plan, synthetic("cpu-x86_64", bandwidth=1e9, tflops=1e-3), "prefill", tokens=4096)
+    t2 = predict(cpu.graph, cpu.plan, synthetic("cpu-x86_64", bandwidth=1e9, tflops=2e-3), "prefill", tokens=4096)
+    assert t2.ms == pytest.approx(t1.ms / 2, rel=1e-6)
+    assert any(g.bound == "compute" for g in t1.groups)
+
+
+def test_launch_bound_step_is_launches_times_overhead(cpu):
+    raw = synthetic("cpu-x86_64", bandwidth=1e12, tflops=1e9, launch=10.0)
+    p = predict(cpu.graph, cpu.plan, raw, "decode", batch=1, context=16)
+    from portlayer.flatten.ops import get_op
+
+    compute_nodes = sum(1 for n in cpu.graph.nodes if get_op(n.op).kind != "view")  # the torch host calls each
+    assert p.launches == compute_nodes
+    assert p.ms == pytest.approx(compute_nodes * 10.0 / 1e3, rel=1e-3)
+
+
+def test_gemm_bytes_are_weights_plus_rows(cpu):
+    """Independent count from the weight tensors: each linear reads its [N, K] weight, M x K in, writes M x N."""
+    p = predict(cpu.graph, cpu.plan, synthetic("cpu-x86_64"), "decode", batch=3, context=8)
+    want = 0
+    for n in cpu.graph.nodes:
+        if n.op == "linear":
+            w = cpu.graph.weights[n.inputs[1]]
+            n_out, k = w.shape
+            want += w.numel() * w.element_size() + 3 * k * 4 + 3 * n_out * 4  # float32 activations, batch 3
+    got = sum(g.bytes for g in p.groups if g.family == "gemm")
+    assert got == want
+
+
+def test_decode_kv_read_grows_with_context(gpu):
+    raw = synthetic("nvidia-h200", bandwidth=1.0)  # slow enough that the attention kernel is above the launch floor
+    short = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=500)
+    long = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=1500)
+    kv_bytes = 4 * 1000 * KV_HEADS * 2 * HEAD_DIM * 2  # 1000 more tokens, k and v, bf16 cache
+    assert long.ms - short.ms == pytest.approx(kv_bytes / 1.0 / 1e6, rel=1e-6)
+
+
+def test_graph_replay_only_for_captured_decode_batches(gpu, cpu):
+    raw = synthetic("nvidia-h200")
+    sizes = gpu.plan.value("graph_capture_sizes")
+    assert predict(gpu.graph, gpu.plan, raw, "decode", batch=1).graphs
+    assert not predict(gpu.graph, gpu.plan, raw, "decode", batch=max(sizes) + 1).graphs
+    assert not predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).graphs
+    assert not predict(cpu.graph, cpu.plan, synthetic("cpu-x86_64"), "decode", batch=1).graphs
+
+
+def test_calibrated_curves_are_read():
+    raw = synthetic("cpu-x86_64")
+    raw["calibration"] = {
+        "bandwidth_sweep": [{"bytes": 2**20, "copy_gbps": 20.0}, {"bytes": 2**26, "copy_gbps": 5.0}],
+        "gemm_curves": {"fp32": [{"m": 1, "us": 100.0}, {"m": 64, "us": 400.0}]}, "gemm_k": 1024,
+        "launch_us": {"eager_us": 7.0, "graph_us": None},
+        "attention": {"fixed_us": 3.0, "per_seq_us": 2.0, "gbps": 4.0},
+    }  # fmt: skip
+    c = Curves.from_descriptor(raw)
+    assert c.calibrated and c.launch_us == 7.0
+    assert c.memory_us(2**26) == pytest.approx(2**26 / 5e3)
+    assert c.memory_us(2**20) == pytest.approx(2**20 / 20e3)
+    assert c.memory_us(2**30) == pytest.approx(2**30 / 5e3)  # beyond the sweep: the largest set's bandwidth
+    big_bw = synthetic("cpu-x86_64", bandwidth=1e9)
+    big_bw["calibration"] = raw["calibration"]
+    c = Curves.from_descriptor(big_bw)
+    assert c.gemm_us(64, 1024, 1024, flops=0, nbytes=0, dtype="float32") == pytest.approx(400.0)
+    assert c.gemm_us(128, 1024, 1024, flops=0, nbytes=0, dtype="float32") == pytest.approx(800.0)  # linear past M=64
+    t = c.attention_us(batch=2, kv_bytes=8000, flops=0, dtype="float32", torch_family=True)
+    assert t == pytest.approx(3.0 + 2 * 2.0 + 8000 / 4e3, rel=1e-6)
+
+
+def test_predictions_print_steps_families_and_layers(cpu):
+    text = format_predictions(predict_steps(cpu.graph, cpu.plan, synthetic("cpu-x86_64", launch=5.0)))
+    for want in ("decode   batch   1", "decode   batch  64", "prefill   128 tok", "per family (ms)", "per layer (ms)"):
+        assert want in text
+
+
+def test_graph_without_kernels_is_refused(cpu):
+    g = tiny_decoder()
+    with pytest.raises(ValueError, match="run the pass pipeline"):
+        predict(g, cpu.plan, synthetic("cpu-x86_64"))
+
+
+def test_torch_attention_scales_per_sequence_through_the_sweep():
+    raw = synthetic("cpu-x86_64")
+    sweep = [{"bytes": 4096, "copy_gbps": 0.4}, {"bytes": 2**20, "copy_gbps": 20.0}, {"bytes": 2**26, "copy_gbps": 5.0}]
+    base = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep}})
+    pts = [{"batch": b, "kv_bytes": b * n, "us": b * 3.0 * base.memory_us(n)} for b, n in ((1, 8192), (8, 8192), (2, 2**19))]
+    c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep, "attention": {"points": pts}}})
+    assert c.ops_per_sequence() == pytest.approx(3.0)
+    t = c.attention_us(batch=5, kv_bytes=5 * 50_000, flops=0, dtype="float32", torch_family=True)
+    assert t == pytest.approx(5 * 3.0 * base.memory_us(50_000))
+
+
+def test_gemm_splits_fixed_and_proportional_cost_from_two_sizes():
+    raw = synthetic("cpu-x86_64", bandwidth=1e9)
+    # synthetic device: a GEMM costs 50 us + 1e-4 us per weight element at M = 1
+    cal = {"gemm_k": 1024, "gemm_small_k": 128,
+           "gemm_curves": {"fp32": [{"m": 1, "us": 50 + 1e-4 * 1024**2}]},
+           "gemm_curves_small": {"fp32": [{"m": 1, "us": 50 + 1e-4 * 128**2}]}}  # fmt: skip
+    c = Curves.from_descriptor({**raw, "calibration": cal})
+    assert c.gemm_us(1, 64, 128, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 64 * 128)
+    assert c.gemm_us(1, 4096, 4096, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 4096**2)
+
+
+def test_generated_gemm_paths_use_their_crossover_timings():
+    raw = synthetic("nvidia-h200", bandwidth=1e9)
+    raw["tuning"] = {"gemv_max_tokens": 4, "triton_gemm_max_tokens": 0}
+    raw["calibration"] = {"gemm_crossover": {"k": 1024, "points": [
+        {"m": 1, "triton_us": 9.0, "vendor_us": 6.0, "gemv_us": 3.0},
+        {"m": 64, "triton_us": 12.0, "vendor_us": 10.0}]}}  # fmt: skip
+    c = Curves.from_descriptor(raw)
+    assert c.gemm_us(1, 1024, 1024, 0, 0, "bfloat16", path="gemv") == pytest.approx(3.0)
+    assert c.gemm_us(1, 2048, 1024, 0, 0, "bfloat16", path="triton") == pytest.approx(18.0)  # scaled by K*N
+    from portlayer.passes.cost_model import _gemm_path  # codegen/gemm_rule.py's thresholds
+
+    assert _gemm_path(raw, {"impl": "triton.gemm"}, 4, False) == "gemv"
+    assert _gemm_path(raw, {"impl": "triton.gemm"}, 8, False) == "vendor"  # triton_gemm_max_tokens 0
+    assert _gemm_path(raw, {"impl": "triton.gemm_wq"}, 8, False) == "triton"  # quantized: always generated
+    assert _gemm_path(raw, {"impl": "torch.linear"}, 1, True) == "vendor"
+
+
+def test_batched_sdpa_attention_uses_the_fit():
+    raw = synthetic("cpu-x86_64")
+    sweep = [{"bytes": 4096, "copy_gbps": 0.4}, {"bytes": 2**26, "copy_gbps": 5.0}]
+    attn = {"kernel": "torch.sdpa, codegen/torch_attention.py", "fixed_us": 30.0, "per_seq_us": 4.0, "gbps": 2.0,
+            "points": [{"batch": 1, "kv_bytes": 4096, "us": 50.0}]}  # fmt: skip
+    c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep, "attention": attn}})
+    t = c.attention_us(batch=8, kv_bytes=16_000, flops=0, dtype="float32", torch_family=True)
+    assert t == pytest.approx(30.0 + 8 * 4.0 + 16_000 / 2e3)

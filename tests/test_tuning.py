@@ -1,0 +1,148 @@
+"""Tuning files: keyed by descriptor identity and toolchain, used by the Plan, refused when made elsewhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from portlayer.capabilities.descriptor import load_descriptor
+from portlayer.capabilities.policy import ModelRequirements, negotiate
+from portlayer.capabilities.tuning import TuningError, TuningFile, default_path, shape_key, toolchain
+
+CONFIG = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+          "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 3072}  # fmt: skip
+TUNED_GEMM = {"num_warps": 4, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_stages": 3}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path))
+    monkeypatch.delenv("PORTLAYER_TUNING", raising=False)
+    return tmp_path
+
+
+def _req() -> ModelRequirements:
+    return ModelRequirements.from_hf_config(dict(CONFIG), name="qwen3-shape")
+
+
+def _file(name: str = "nvidia-h200", tools: dict | None = None, config: dict | None = None) -> TuningFile:
+    d = load_descriptor(name)
+    f = TuningFile(d.name, d.sha256, dict(tools or toolchain()))
+    default = negotiate(_req(), "nvidia-h200").value("launch.gemm")
+    f.put("gemm", shape_key(_req(), "bfloat16"), config or TUNED_GEMM, 10.0, 12.5, default, 6)
+    return f
+
+
+def test_no_file_keeps_the_defaults(cache):
+    a = negotiate(_req(), "nvidia-h200")
+    assert not (cache / "tuning").exists()
+    assert "tuned" not in a.decision("launch.gemm").reason
+
+
+def test_tuned_entry_feeds_the_plan(cache):
+    d = load_descriptor("nvidia-h200")
+    default = negotiate(_req(), d).value("launch.gemm")
+    assert default != TUNED_GEMM
+    path = _file().save(default_path(d.name, d.sha256))
+    plan = negotiate(_req(), d)
+    dec = plan.decision("launch.gemm")
+    assert dec.value == TUNED_GEMM
+    assert dec.reason.startswith("tuned: entry gemm@bfloat16:h1024:i3072:q16:kv8:d128") and str(path) in dec.reason
+    other = plan.decision("launch.reduction")  # no entry for that family: the default, said why
+    assert "default" in other.reason and "has no entry reduction@" in other.reason
+
+
+def test_entry_for_another_shape_is_not_used(cache):
+    d = load_descriptor("nvidia-h200")
+    _file().save(default_path(d.name, d.sha256))
+    req = ModelRequirements.from_hf_config({**CONFIG, "hidden_size": 2048}, name="wider")
+    assert negotiate(req, d).value("launch.gemm") != TUNED_GEMM
+
+
+def test_file_from_another_device_is_refused(cache, tmp_path, monkeypatch):
+    p = _file("nvidia-h100-sxm").save(tmp_path / "h100.json")
+    monkeypatch.setenv("PORTLAYER_TUNING", str(p))
+    with pytest.raises(TuningError, match="tuned for device descriptor nvidia-h100-sxm.*targets nvidia-h200"):
+        negotiate(_req(), "nvidia-h200")
+
+
+def test_file_from_another_toolchain_is_refused(cache, tmp_path, monkeypatch):
+    d = load_descriptor("nvidia-h200")
+    old = {"torch": "2.0.0", "triton": "2.1.0"}
+    p = _file(tools=old).save(tmp_path / "old.json")
+    monkeypatch.setenv("PORTLAYER_TUNING", str(p))
+    with pytest.raises(TuningError, match=r"tuned with torch 2\.0\.0, triton 2\.1\.0; this toolchain is torch"):
+        negotiate(_req(), d)
+    monkeypatch.delenv("PORTLAYER_TUNING")  # copied into the default place: refused, defaults used, said so
+    _file(tools=old).save(default_path(d.name, d.sha256))
+    dec = negotiate(_req(), d).decision("launch.gemm")
+    assert dec.value != TUNED_GEMM and "tuning file refused" in dec.reason
+
+
+def test_new_toolchain_gets_its_own_file():
+    d = load_descriptor("nvidia-h200")
+    a = default_path(d.name, d.sha256, {"torch": "2.11", "triton": "3.6"})
+    b = default_path(d.name, d.sha256, {"torch": "2.11", "triton": "3.7"})
+    assert a != b and a.parent == b.parent
+
+
+@pytest.mark.parametrize("bad", [
+    {"format": "something-else"},
+    {"entries": {"gemm@x": {"config": {"BLOCK_M": "64"}, "time_us": 1, "default_us": 2}}},
+    {"entries": {"gemm@x": {"config": {"BLOCK_M": 10**9}, "time_us": 1, "default_us": 2}}},
+    {"toolchain": "torch"},
+])  # fmt: skip
+def test_malformed_file_is_refused(cache, tmp_path, monkeypatch, bad):
+    raw = _file().to_json()
+    raw.update(bad)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(raw))
+    monkeypatch.setenv("PORTLAYER_TUNING", str(p))
+    with pytest.raises(TuningError, match="bad.json"):
+        negotiate(_req(), "nvidia-h200")
+
+
+def test_entry_with_other_parameters_is_not_used(cache):
+    d = load_descriptor("nvidia-h200")
+    _file(config={"num_warps": 4, "BLOCK": 64}).save(default_path(d.name, d.sha256))
+    dec = negotiate(_req(), d).decision("launch.gemm")
+    assert dec.value != {"num_warps": 4, "BLOCK": 64} and "the kernel takes" in dec.reason
+
+
+@pytest.mark.parametrize("target", ["nvidia-h200", "amd-mi300x", "nvidia-rtx4060-laptop"])
+def test_candidates_stay_inside_what_the_descriptor_allows(target):
+    from portlayer.capabilities.tuning_space import ITEMSIZE, candidates
+
+    d = load_descriptor(target)
+    plan = negotiate(_req(), d)
+    item = ITEMSIZE[plan.compute_dtype]
+    smem = d.compute_units.max_shared_memory_per_block_bytes or d.compute_units.shared_memory_per_unit_bytes
+    for dec in plan:
+        if not dec.name.startswith("launch.") or not dec.value:
+            continue
+        cands = candidates(dec.name.removeprefix("launch."), dec.value, d, plan.compute_dtype)
+        assert cands[0] == dec.value and 1 <= len(cands) <= 6
+        assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)  # no duplicates
+        for c in cands:
+            assert set(c) == set(dec.value)  # the kernel's parameters, no others
+            assert c["num_warps"] * d.warp_size <= min(1024, d.compute_units.max_threads_per_unit)
+            if dec.name == "launch.gemm" and c != dec.value:
+                assert c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item <= smem
+            if dec.name.startswith("launch.attention"):
+                assert c["BLOCK_N"] == dec.value["BLOCK_N"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
+            if dec.name in ("launch.reduction", "launch.embedding"):
+                assert c["BLOCK_N"] == dec.value["BLOCK_N"]  # a row kernel covers its whole row
+
+
+def test_cache_key_suffix_follows_the_tuning_file(cache):
+    from portlayer.capabilities.tuning import tuning_digest
+
+    d = load_descriptor("nvidia-h200")
+    assert tuning_digest(d) == ""  # no file: compile cache keys as before
+    p = _file().save(default_path(d.name, d.sha256))
+    first = tuning_digest(d)
+    f = _file()
+    f.put("reduction", "x", {"num_warps": 2}, 1.0, 2.0, {"num_warps": 4}, 2)
+    f.save(p)
+    assert first.startswith(":tuning-") and tuning_digest(d) != first
