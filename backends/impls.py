@@ -45,7 +45,7 @@ LowerFn = Callable[[Any, Any], Any]  # (codegen.lowering.LowerContext, KernelGro
 AcceptFn = Callable[[Any, "list[Node]"], Verdict]  # (codegen.lowering.GroupQuery, compute nodes in order)
 ScratchFn = Callable[[Any], "list[str]"]  # KernelGroup -> internal values written to memory
 FAMILIES = ("torch", "triton", "cann")
-_MODULES = ("impls_torch", "impls_triton", "impls_cann", "impls_moe", "impls_cann_moe")
+_MODULES = ("impls_torch", "impls_triton", "impls_cann", "impls_moe", "impls_cann_moe", "impls_collective")
 
 
 @dataclass(frozen=True)

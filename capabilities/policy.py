@@ -89,11 +89,30 @@ class _Negotiation:
         else:
             self.add("compute_dtype", "float32", "neither bf16 nor fp16 is listed in throughput_tflops")
 
+    def tensor_parallel(self) -> None:
+        """The tensor-parallel degree: 1, the user's N, or (``auto``) the smallest N whose per-rank
+        weights plus one full-length sequence of KV cache fit (capabilities/tp_degree.py)."""
+        from portlayer.capabilities.tp_degree import auto_degree, check_degree
+
+        want = self.o.pop("tensor_parallel", None)
+        frac, _ = self.usable_fraction()
+        if want in (None, 1, "1"):
+            self.out.append(Decision("tensor_parallel", 1, "one device (pass --tensor-parallel N or auto to shard)"))
+            self.v["tensor_parallel"] = 1
+            return
+        if want == "auto":
+            n, why = auto_degree(self.r, self.d, self.v["compute_dtype"], frac)
+        else:
+            n = check_degree(self.r, self.d, int(want))
+            why = f"user override: --tensor-parallel {n}"
+        self.out.append(Decision("tensor_parallel", n, why))
+        self.v["tensor_parallel"] = n
+
     def weight_quantization(self) -> None:
         r, d, dt = self.r, self.d, self.v["compute_dtype"]
         frac, _ = self.usable_fraction()
         budget = d.memory.capacity_bytes * frac
-        w = r.param_bytes_at(dt)
+        w = r.param_bytes_at(dt) // self.v.get("tensor_parallel", 1)  # per rank
         if w > budget:
             for q in ("int8", "int4"):
                 if r.param_bytes_at(q) <= budget:
@@ -221,7 +240,7 @@ class _Negotiation:
             frac_why = (f"{frac_why}; unified memory: min({_gib(ram)} system memory on this host, the descriptor's "
                         f"{_gib(d.memory.capacity_bytes)} driver share)")
         q = self.v["weight_quantization"]
-        weights = r.param_bytes_at(q if q in ("int8", "int4") else dt)
+        weights = r.param_bytes_at(q if q in ("int8", "int4") else dt) // self.v.get("tensor_parallel", 1)  # per rank
         act = 2 * self.v["max_batched_tokens"] * self.activation_bytes_per_token()
         budget = int(usable - weights - act)
         why = f"{frac_why}: {_gib(usable)} - weights {_gib(weights)} - activations {_gib(act)}"
@@ -234,6 +253,10 @@ class _Negotiation:
             )
         self.add("kv_cache_budget_bytes", budget, why)
         per_tok = r.kv_bytes_per_token_at(dt)
+        if self.v.get("tensor_parallel", 1) > 1:  # this rank's KV heads only
+            from portlayer.capabilities.tp_degree import kv_heads_per_rank
+
+            per_tok = per_tok * kv_heads_per_rank(r, self.v["tensor_parallel"]) // max(1, r.num_kv_heads)
         self.add("max_kv_tokens", budget // per_tok, f"{_gib(budget)} / {per_tok} B per token ({r.num_layers} layers)")
 
     def max_num_seqs(self) -> None:
@@ -360,7 +383,7 @@ def negotiate(
         raise PlanError(f"quantization {overrides['weight_quantization']!r} unknown; use none, int8, int4 or native")
     n = _Negotiation(requirements, desc, overrides, quality)
     for step in (
-        n.compute_dtype, n.weight_quantization, n.buffer_alignment, n.kv_block_size, n.prefill_chunk_size,
+        n.compute_dtype, n.tensor_parallel, n.weight_quantization, n.buffer_alignment, n.kv_block_size, n.prefill_chunk_size,
         n.max_batched_tokens, n.kv_cache_budget, n.max_num_seqs, n.graph_capture_sizes, n.launch_configs,
         n.max_fused_inputs,
     ):  # fmt: skip

@@ -238,6 +238,7 @@ def concrete(d: Dim, bindings: Mapping[str, int]) -> int:
 
 # Fill the registry.
 from portlayer.flatten.op_defs import attention as _attention  # noqa: E402,F401
+from portlayer.flatten.op_defs import collective as _collective  # noqa: E402,F401
 from portlayer.flatten.op_defs import elementwise as _elementwise  # noqa: E402,F401
 from portlayer.flatten.op_defs import layout as _layout  # noqa: E402,F401
 from portlayer.flatten.op_defs import mla as _mla  # noqa: E402,F401

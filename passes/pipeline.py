@@ -23,6 +23,7 @@ from portlayer.passes.memory_plan import memory_plan
 from portlayer.passes.precision import precision
 from portlayer.passes.quantize import quantize
 from portlayer.passes.select import select
+from portlayer.passes.shard import shard, world_size_of
 
 PassFn = Callable[[Graph, PassContext], Graph]
 PASSES: list[tuple[str, PassFn]] = [
@@ -89,6 +90,12 @@ def run_pipeline(
         Path(dump).mkdir(parents=True, exist_ok=True)
         _dump(Path(dump), 0, "input", graph)
     result = PipelineResult(graph.copy(), plan, desc)
+    if world_size_of(ctx) > 1:  # tensor parallelism (docs/parallel.md): this rank's shard before every pass
+        t0 = time.perf_counter()
+        result.graph = shard(result.graph, ctx)
+        result.history.append(("shard", _summary("shard", graph, result.graph, time.perf_counter() - t0)))
+        if dump:
+            _dump(Path(dump), 0, "shard", result.graph)
     for i, (name, fn) in enumerate(PASSES, start=1):
         t0 = time.perf_counter()
         before = result.graph

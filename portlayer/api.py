@@ -120,6 +120,18 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool
     return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
+def _tp_option(value: int | str) -> int | str:
+    if str(value) == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise CompileError(f"--tensor-parallel {value!r}: use a positive number of ranks, or auto")
+    return n
+
+
 def compile(  # noqa: A001 - the public name users expect
     model: str | os.PathLike[str] | torch.nn.Module | Graph,
     target: str | os.PathLike[str] | Descriptor = "auto",
@@ -129,6 +141,7 @@ def compile(  # noqa: A001 - the public name users expect
     progress: bool = True,
     strict: bool = False,
     verify: bool = True,
+    tensor_parallel: int | str | None = None,
     sources_only: bool | None = None,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
@@ -137,6 +150,7 @@ def compile(  # noqa: A001 - the public name users expect
     nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
     descriptor .json path. A compile whose key is already cached returns at once. ``sources_only``: GPU
     targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
+    ``tensor_parallel``: N ranks or "auto" (docs/parallel.md).
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
@@ -152,6 +166,8 @@ def compile(  # noqa: A001 - the public name users expect
         options["verify"] = False
     if sources_only or (sources_only is None and os.environ.get("PORTLAYER_SOURCES_ONLY") == "1"):
         options["sources_only"] = True  # GPU targets: no kernel binaries (JIT on the device); keyed apart
+    if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
+        options["tensor_parallel"] = _tp_option(tensor_parallel)
     desc = resolve_target(target)
     src = _model_source(model)
     from portlayer.capabilities.tuning import tuning_digest  # tuned launch configs change the artifact

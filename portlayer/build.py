@@ -284,11 +284,18 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         from portlayer.flatten.logits import select_logit_rows
 
         graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows
-    overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"])) if v}
+    overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"]),
+                                   ("tensor_parallel", options.get("tensor_parallel"))) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")
         result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say)
     block_size = int(getattr(result.plan, "kv_block_size", None) or 16)
+    from portlayer.runtime.parallel.shards import rank_graphs, world_size, write_shards
+
+    if world_size(result.plan) > 1:  # ranks 1..N-1: same program, their own weight shards
+        with stages.stage("shards") as say:
+            say(f"{world_size(result.plan)} tensor-parallel ranks")
+            rank_weights = rank_graphs(graph, result)
     with stages.stage("reference") as say:
         say("validation set on the reference interpreter")
         seed = 0
@@ -308,6 +315,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         with stages.stage("write") as say:
             say(str(final))
             save_graph(result.graph, w.dir)
+            if world_size(result.plan) > 1:
+                write_shards(w, rank_weights)
             w.write_json(A.PLAN, result.plan.to_json(), "plan")
             w.write_json(A.CAPABILITY, desc.raw, "capability")
             doc, tensors = V.to_files(cases, graph, block_size, seed)

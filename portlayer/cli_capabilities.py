@@ -31,6 +31,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--dtype", default=None, help="force the compute dtype (float32, bfloat16, float16)")
     p.add_argument("--quantization", default=None, help="force weight quantization (none, int8, int4)")
     p.add_argument("--capture", action="store_true", help="capture the model graph instead of reading config.json")
+    p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
+                   help="plan for N ranks, or the smallest N that fits (docs/parallel.md)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
     p.add_argument("--gate", action="store_true",
                    help="capture, quantize and run the quality gate on a lossy pick, as compile does (docs/quantization.md)")
@@ -149,6 +151,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         overrides["compute_dtype"] = args.dtype
     if args.quantization:
         overrides["weight_quantization"] = args.quantization
+    if getattr(args, "tensor_parallel", None):
+        overrides["tensor_parallel"] = args.tensor_parallel if args.tensor_parallel == "auto" else _degree(args.tensor_parallel)
     # a PlanError is a user error: the CLI prints it, exit 2
     if args.gate:
         plan = _gated_plan(args.model, target, overrides)
@@ -162,6 +166,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
                                args.prefill_tokens)
         print(text, file=sys.stderr if args.json else sys.stdout)  # --json keeps stdout one JSON document
     return 0
+
+
+def _degree(text: str) -> int:
+    from portlayer.capabilities.plan import PlanError
+
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanError(f"--tensor-parallel {text!r}: use a positive number of ranks, or auto") from None
 
 
 def _quality(model: str) -> dict | None:

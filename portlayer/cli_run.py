@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -112,6 +113,7 @@ def _generate(engine, prompts: list, params, stop: list[str], on_text=None) -> l
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PORTLAYER_TP_EXIT_ON_FAILURE", "1")  # a dead tensor-parallel rank ends the command at once
     from portlayer.runtime.sequence import SamplingParams
 
     try:

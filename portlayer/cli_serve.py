@@ -60,6 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
     bind(args.host, args.port).close()  # a busy port fails now, before minutes of loading
     if args.switch_interval_ms > 0:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
+    os.environ.setdefault("PORTLAYER_TP_EXIT_ON_FAILURE", "1")  # a dead tensor-parallel rank stops the server
     engine = open_engine(args)
     names = args.served_model_name or [args.artifact]
     api_key = args.api_key or os.environ.get("PORTLAYER_API_KEY") or None

@@ -40,6 +40,7 @@ class LoadedArtifact:
         self.descriptor = descriptor
         self.device = device  # the local DetectedDevice that runs it (None when the check was skipped)
         self.notes = notes  # toolkit version differences
+        self.tp_rank: int | None = None  # set on each rank of a tensor-parallel group (runtime/parallel/)
 
     def __repr__(self) -> str:
         return f"<LoadedArtifact {self.manifest.model.get('spec')} for {self.descriptor.name} at {self.path}>"
@@ -71,6 +72,10 @@ class LoadedArtifact:
         from portlayer.backends.registry import get_backend
         from portlayer.runtime.executable import ReferenceExecutable
 
+        if self.tp_rank is None and (_plan_value(self.plan, "tensor_parallel", 1) or 1) > 1:
+            from portlayer.runtime.parallel.launch import start_executable
+
+            return start_executable(self)  # rank 0's proxy over the group (docs/parallel.md)
         graph = self.graph
         if self.interpreted:  # the generated program, its kernels run by TRITON_INTERPRET=1 on the CPU
             from portlayer.backends.triton_program import load_program

@@ -412,6 +412,11 @@ case("moe_experts", "top2-of-3", [F32, tt("int64", "num_tokens", 2), tt("float32
      {"num_experts": 3, "top_k": 2, "intermediate_size": 4}, [F32], _moe_want(), atol=1e-4, rtol=1e-4)
 
 
+# ---- collectives on a one-rank group: the identity (2- and 4-rank semantics: tests/test_tp_*.py) ----
+case("all_reduce", "one-rank", [F32], [X], {"world_size": 1}, [F32], X.clone(), atol=0, rtol=0)
+case("all_gather", "one-rank", [F32], [X], {"dim": -1, "world_size": 1}, [F32], X.clone(), atol=0, rtol=0)
+
+
 # ---- the tests ---------------------------------------------------------------------------------
 
 
