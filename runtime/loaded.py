@@ -50,7 +50,8 @@ class LoadedArtifact:
         from portlayer.flatten.verify import VerificationError, verify_graph
 
         try:  # from the bytes verified by load() (weights: re-checked against the manifest as read)
-            graph = load_graph(self.path, read=lambda name: A.read_verified_bytes(self.manifest, name))
+            graph = load_graph(self.path, read=lambda name: A.read_verified_bytes(self.manifest, name),
+                               open_weights=lambda name: A.open_verified_weights(self.manifest, name))
             verify_graph(graph)  # the IR rules, kernel groups and memory plan: codegen trusted them
         except GraphFileError as e:
             raise ArtifactError(f"{e}\nRecompile: `{_recompile(self.manifest)}`") from None
