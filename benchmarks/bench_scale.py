@@ -8,7 +8,7 @@ targets this machine can run, also validates it against the artifact's reference
     python benchmarks/bench_scale.py --params 1.1B --targets cpu-x86_64,nvidia-h200
     python benchmarks/bench_scale.py --params 8B --targets nvidia-h200 --json docs/gpu-results/scale_8b_h200.json
 
-Peak RSS is the child's ``ru_maxrss`` (resident pages at their highest, file-backed mmap pages
+Peak RSS is the child's VmHWM (resident pages at their highest, file-backed mmap pages
 included); ``rss_over_weights`` is peak RSS / checkpoint bytes, the figure issue 20 bounds
 (<= 1.25x + 1 GB on the CPU host, + 2 GB on the H200 host).
 """
@@ -117,7 +117,12 @@ sys.path.insert(0, {bench!r})
 from _bootstrap import bootstrap
 bootstrap()
 import torch, portlayer
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def hwm():  # this process's own peak (VmHWM; ru_maxrss would carry the parent's peak across exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = hwm()
 what, model, target, art = sys.argv[1:5]
 out = {{"base_rss": base}}
 t0 = time.perf_counter()
@@ -130,12 +135,12 @@ else:
     if what == "load":
         ex = m.executable()
         out["load_s"] = round(time.perf_counter() - t0, 3)
-        out["peak_rss_load"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_rss_load"] = hwm()
         if {validate!r}:
             rep = m.validate(ex)
             out["validate"] = {{"ok": bool(rep.ok), "table": rep.format_table()}}
 out["seconds"] = round(time.perf_counter() - t0, 3)
-out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+out["peak_rss"] = hwm()
 print("BENCH_SCALE " + json.dumps(out))
 """
 
