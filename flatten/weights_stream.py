@@ -150,14 +150,20 @@ def _bytes_of(name: str, v: torch.Tensor | Lazy, size: int) -> memoryview:
     return data
 
 
+#: bytes of tensors made ahead of the writer (at least one tensor is always in flight)
+IN_FLIGHT_BYTES = 512 << 20
+
+
 def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metadata: Mapping[str, str] | None = None,
-                  threads: int | None = None, on_tensor: Callable[[str], None] | None = None) -> int:
+                  threads: int | None = None, on_tensor: Callable[[str], None] | None = None,
+                  in_flight_bytes: int = IN_FLIGHT_BYTES) -> int:
     """Write a safetensors file from ``(name, tensor or Lazy)`` entries, one tensor at a time.
 
     Only the entries' dtypes and shapes are needed for the header; each tensor is then made
-    (Lazy entries in a pool of ``threads`` worker threads, a few ahead of the writer), written
-    and dropped, so the working set is a few tensors whatever the model's size. Returns the
-    file's size in bytes. The file is read back by ``safetensors.safe_open`` like any other.
+    (Lazy entries in a pool of ``threads`` worker threads, ahead of the writer by at most
+    ``in_flight_bytes`` and 2 tensors per thread), written and dropped, so the working set is
+    bounded whatever the model's size. Returns the file's size in bytes. The file is read back
+    by ``safetensors.safe_open`` like any other.
     """
     items = list(entries)
     names = [n for n, _ in items]
@@ -165,18 +171,20 @@ def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metada
         raise ValueError(f"write_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:5]}")
     head, sizes = _header(items, metadata)
     workers = max(1, threads if threads is not None else min(8, os.cpu_count() or 1))
-    ahead = 2 * workers
     total = len(head)
     with open(path, "wb") as f, ThreadPoolExecutor(workers) as pool:
         f.write(head)
-        pending: list[Any] = []
+        pending: list[tuple[str, int, Any]] = []  # (name, bytes, future), in file order
+        held = 0
         for k, (name, v) in enumerate(items):
-            pending.append(pool.submit(_bytes_of, name, v, sizes[k]))
-            if len(pending) > ahead:
-                total += _flush(f, pending.pop(0), on_tensor, names[k - ahead])
-        base = len(items) - len(pending)
-        for j, fut in enumerate(pending):
-            total += _flush(f, fut, on_tensor, names[base + j])
+            while pending and (len(pending) >= 2 * workers or held + sizes[k] > in_flight_bytes):
+                done_name, n, fut = pending.pop(0)
+                total += _flush(f, fut, on_tensor, done_name)
+                held -= n
+            pending.append((name, sizes[k], pool.submit(_bytes_of, name, v, sizes[k])))
+            held += sizes[k]
+        for done_name, _n, fut in pending:
+            total += _flush(f, fut, on_tensor, done_name)
     return total
 
 
