@@ -2,8 +2,8 @@
 
 Compile holds the checkpoint's weights once, at their stored dtype (weights flow to the
 artifact tensor by tensor: flatten/weights_stream.py), plus the toolkit itself and a few
-tensors in flight; a lossy format's quality gate adds a float32 copy (it runs the graph in
-float32). Serving maps the artifact's weights: on a CPU target they are the resident working
+tensors in flight; a lossy format adds its quantized weights, held beside the originals while
+the quality gate compares the two graphs. Serving maps the artifact's weights: on a CPU target they are the resident working
 set; on an accelerator the host copies them to the device one tensor at a time, and the device
 holds the weights in the plan's dtype or format, the KV cache and the activations.
 """
@@ -72,10 +72,11 @@ def memory_needs(req: ModelRequirements, plan: Plan, device_type: str, stored_by
     lossy = q not in ("none",)
     largest = max((n * k for n, k in req.gemm_shapes), default=0) * 4  # a float32 tensor in flight
     in_flight = max(IN_FLIGHT_BYTES, 2 * largest)  # the writer's bound (flatten/weights_stream.py)
-    gate = req.param_bytes_at("float32") if lossy else 0
+    gate = req.param_bytes_at(q) if q in ("int8", "int4") else (stored if lossy else 0)
     compile_host = stored + TOOLKIT_BYTES + in_flight + gate
     why_c = (f"weights once as stored ({_gib(stored)}) + toolkit ({_gib(TOOLKIT_BYTES)}) + tensors in flight "
-             f"({_gib(in_flight)})" + (f" + the quality gate's float32 copy ({_gib(gate)})" if gate else ""))
+             f"({_gib(in_flight)})" + (f" + the {q} weights, held beside the originals for the quality gate "
+                                       f"({_gib(gate)})" if gate else ""))
     served = req.param_bytes_at(q if q in ("int8", "int4") else dt)
     try:
         kv = int(plan.value("kv_cache_budget_bytes") or 0)
