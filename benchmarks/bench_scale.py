@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="where artifacts are written (default: a temp dir, removed)")
     p.add_argument("--no-load", action="store_true", help="compile only")
     p.add_argument("--validate", action="store_true", help="validate the loaded artifact on this machine")
+    p.add_argument("--decode", action="store_true",
+                   help="also time decode at batch 1 (benchmarks/bench_serving.py on the artifact; needs the device)")
+    p.add_argument("--keep", action="store_true", help="keep the artifacts (under --work)")
     p.add_argument("--label", default="", help="a label for the JSON (e.g. before / after)")
     p.add_argument("--timeout", type=float, default=3000)
     p.add_argument("--json", default=None, help="write the results here")
@@ -209,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                     if "error" not in lo:
                         row["load_s"] = lo.get("load_s", lo["seconds"])
                         row["peak_rss_load_gib"] = gib(lo["peak_rss"])
+                if args.decode and runnable:
+                    row["decode_b1"] = decode_b1(art, env, wbytes, args.timeout)
             print(json.dumps({k: v for k, v in row.items() if k not in ("compile", "load")}), file=sys.stderr)
             rows.append(row)
-            shutil.rmtree(art, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(art, ignore_errors=True)
             shutil.rmtree(work / f"cache-{target}", ignore_errors=True)
     finally:
         if args.work is None:
@@ -224,6 +230,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc, indent=1))
     return 0 if all("error" not in r["compile"] for r in rows) else 1
+
+
+def decode_b1(art: Path, env: dict[str, str], wbytes: int, timeout: float) -> dict:
+    """ms per decode step at batch 1 (bench_serving.py on the artifact), and the weight-read floor
+    (weight bytes / the descriptor's memory bandwidth) it is compared with."""
+    out = art.parent / f"{art.name}-decode.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "bench_serving.py"), "--artifact", str(art),
+           "--decode-batches", "1", "--skip-serving", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": f"bench_serving exited {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
+    step = json.loads(out.read_text())["decode"][0]["step_ms"]
+    bw = json.loads((art / "capability.json").read_text()).get("memory", {}).get("bandwidth_gbps")
+    floor = round(1000 * wbytes / (bw * 1e9), 3) if bw else None
+    return {"step_ms": step, "floor_ms": floor, "of_floor": round(floor / step, 3) if floor else None}
 
 
 def _has_gpu() -> bool:
