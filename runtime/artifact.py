@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
+from portlayer.runtime.file_hash import chunks_match, hashes
 from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
@@ -145,7 +146,8 @@ class ArtifactWriter:
         files = {}
         for rel in _walk(self.dir):
             p = self.dir / rel
-            files[rel] = {"kind": kind_of(rel, self.kinds), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+            # big files also get per-chunk sha256, checked in parallel on load (runtime/file_hash.py)
+            files[rel] = {"kind": kind_of(rel, self.kinds), **hashes(p), "bytes": p.stat().st_size}
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -266,7 +268,8 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
                 held[rel] = data
         else:
             before = _stat_key(p)
-            if sha256_file(p) != info["sha256"]:
+            ok = chunks_match(p, info)  # per-chunk hashes in parallel threads, when the manifest has them
+            if not (ok if ok is not None else sha256_file(p) == info["sha256"]):
                 problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
             elif _stat_key(p) == before:
                 checked[rel] = before

@@ -64,7 +64,24 @@ class LoadedArtifact:
         return (self.device.torch_device if self.device is not None else None) or "cpu"
 
     def executable(self) -> Any:
-        """The program to run: the backend's generated host program if it has one, else the reference."""
+        """The program to run: the backend's generated host program if it has one, else the reference.
+
+        A load over 2 s says on stderr what it moved and how fast (weights are memory-mapped and
+        copied to the device one tensor at a time)."""
+        import time
+
+        t0 = time.perf_counter()
+        exe = self._executable()
+        dt = time.perf_counter() - t0
+        if dt > 2.0:
+            import sys
+
+            nbytes = sum(int(f.get("bytes", 0)) for f in self.manifest.files.values() if f.get("kind") == "weights")
+            print(f"[portlayer] loaded {self.path.name}: {nbytes / (1 << 30):.2f} GiB of weights onto "
+                  f"{self.torch_device} in {dt:.1f} s ({nbytes / dt / 1e9:.2f} GB/s)", file=sys.stderr)
+        return exe
+
+    def _executable(self) -> Any:
         if self.device is None:
             raise ArtifactError(
                 f"artifact {self.path} was opened with check_device=False; load it with the device check to run it"
@@ -213,7 +230,16 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
     torch_npu calls (docs/ascend.md) instead of checking for an NPU; any other artifact is refused.
     ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN".
     ``interpret=True`` opens a Triton artifact to run on this CPU under the Triton interpreter."""
+    import time
+
+    t0 = time.perf_counter()
     m = A.verify_artifact(path)
+    if time.perf_counter() - t0 > 2.0:
+        import sys
+
+        nbytes = sum(int(f.get("bytes", 0)) for f in m.files.values())
+        print(f"[portlayer] verified {m.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if emulate is None:
         from portlayer.backends.ascend import emulator_requested
 
