@@ -37,26 +37,29 @@ def lower_views(ctx: GenContext, group: KernelGroup) -> GroupCode:
 
 def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     """Codegen context from the Plan's launch configs and the descriptor's facts."""
-    from portlayer.codegen.gemm_rule import triton_gemm_max_tokens
+    from portlayer.codegen.gemm_rule import gemv_max_tokens, triton_gemm_max_tokens
 
     launch = {}
     if plan is not None and descriptor.codegen == "triton":
         launch = plan.launch_configs
     return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
-                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0)
+                      triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
+                      gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,
-             gemm_max_tokens: int | None = None) -> GeneratedProgram:
+             gemm_max_tokens: int | None = None, gemv_max_tokens: int | None = None) -> GeneratedProgram:
     """The program for a pipeline-optimised ``graph`` on ``descriptor`` (its codegen family's template).
 
-    ``launch`` (family -> config) and ``gemm_max_tokens`` override the Plan's launch configs and the
-    descriptor's Triton-vs-vendor GEMM crossover: knobs for kernel tests and benchmarks, not decisions."""
+    ``launch`` (family -> config), ``gemm_max_tokens`` and ``gemv_max_tokens`` override the Plan's launch
+    configs and the descriptor's GEMM crossovers: knobs for kernel tests and benchmarks, not decisions."""
     ctx = context_for(graph, plan, descriptor)
     if launch:
         ctx.launch = {**ctx.launch, **launch}
     if gemm_max_tokens is not None:
         ctx.triton_gemm_max_tokens = gemm_max_tokens
+    if gemv_max_tokens is not None:
+        ctx.gemv_max_tokens = gemv_max_tokens
     family = descriptor.codegen
     extra = None
     if family == "cann":

@@ -138,6 +138,38 @@ def run_serving(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
             "preemptions": eng.stats["preemptions"]}  # fmt: skip
 
 
+def run_first_request(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The first request after load: a 128-token prompt, one token out (anything compiled or
+    captured on first use is in this figure)."""
+    from portlayer.runtime.sequence import SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed + 7)
+    prompt = torch.randint(0, int(eng.meta["vocab_size"]), (128,), generator=g).tolist()
+    t0 = time.perf_counter()
+    eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    sync(eng.executable.device)
+    return {"prompt_tokens": 128, "first_request_ms": round(1000 * (time.perf_counter() - t0), 2)}
+
+
+def run_prefill(eng: Any, spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``N x L``: N prompts of L tokens submitted at once, one output token each; prompt tokens/s."""
+    from portlayer.runtime.sequence import SamplingParams
+
+    n, length = (int(v) for v in spec.lower().split("x"))
+    g = torch.Generator().manual_seed(args.seed + 11)
+    vocab = int(eng.meta["vocab_size"])
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    warm = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    eng.generate(warm, sp)  # warm-up: every prefill bucket of this shape has run once
+    prompts = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    sync(eng.executable.device)
+    t0 = time.perf_counter()
+    eng.generate(prompts, sp)
+    sync(eng.executable.device)
+    dt = time.perf_counter() - t0
+    return {"prompts": n, "prompt_len": length, "seconds": round(dt, 4), "prefill_tok_s": round(n * length / dt, 1)}
+
+
 def run_decode(eng: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """Prefill ``batch`` requests of ``--decode-context`` tokens, then time pure-decode steps."""
     from portlayer.runtime.sequence import SamplingParams
@@ -204,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--first-request", action="store_true", help="time the first request after load (before anything else)")
+    p.add_argument("--prefill", default=None, metavar="NxL", help="time N prompts of L tokens (one output token each)")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the timed decode steps (host overhead)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
@@ -219,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         "engine": {k: v for k, v in vars(eng.config).items()}, "timings": timings,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }  # fmt: skip
+    if args.first_request:
+        result["first_request"] = run_first_request(eng, args)
+        print(f"[bench] first request: {json.dumps(result['first_request'])}", file=sys.stderr)
+    if args.prefill:
+        result["prefill"] = run_prefill(eng, args.prefill, args)
+        print(f"[bench] prefill: {json.dumps(result['prefill'])}", file=sys.stderr)
     if not args.skip_serving:
         result["serving"] = run_serving(eng, args)
         print(f"[bench] serving: {json.dumps(result['serving'])}", file=sys.stderr)

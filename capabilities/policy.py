@@ -276,6 +276,10 @@ class _Negotiation:
         self.add("launch.reshape_and_cache", {"num_warps": warps(min(threads, 256)), "BLOCK": block, "num_stages": 1},
                  f"one token's {r.num_kv_heads}x{hd} K and V per program / {scale}")  # fmt: skip
         self._gemm(smem, item, warps, scale)
+        cus = d.compute_units.count
+        self.add("launch.gemv", {"num_warps": warps(128), "TILE": 4096, "PROGRAMS": 2 * cus, "num_stages": 1},
+                 f"few-rows GEMM: column blocks sized for >= 2 programs per compute unit ({cus} units); a W tile of "
+                 f"<= 4096 elements (32 float32 products per thread of 128) / {scale}")  # fmt: skip
         self._attention(smem, item, warps, scale, hd)
 
     def _gemm(self, smem: int, item: float, warps: Any, scale: str) -> None:

@@ -72,7 +72,7 @@ def _rename(lines: Sequence[str], mapping: Mapping[str, str], attr_map: Mapping[
 
 
 RESERVED = {"K", "W", "B", "P", "T", "S", "st", "kv_caches", "k_cache", "v_cache", "bm", "layer", "self", "torch",
-            "triton", "ref", "W_T", "gemm_block_m", "npu", "F", "feeds"}
+            "triton", "ref", "W_T", "gemm_block_m", "gemv_blocks", "npu", "F", "feeds"}
 
 
 def _local(name: str, layer: int, taken: set[str], fallback: str) -> tuple[str, list | None]:

@@ -2,7 +2,7 @@
 
 Start from one group per node; vendor calls claimed at select (npu_add_rms_norm, npu_mrope)
 are sealed groups; views join their producer's group. Candidate merges — producer into
-consumer, and the q/k rope pair side by side — are ranked by bytes saved (from the op types
+consumer, the q/k rope pair side by side, and GEMMs of one input side by side (Q, K, V) — are ranked by bytes saved (from the op types
 at one token: an intermediate that no longer leaves the kernel saves its write and read, one
 still needed elsewhere saves a read), and each is taken when ``fuse_rules.can_fuse`` allows
 it. The node list is then reordered so each kernel's nodes are contiguous, in a topological
@@ -73,6 +73,17 @@ def _candidates(st: FuseState, users: dict[str, list[Node]]) -> list[tuple[int, 
             if ga != gb and r.inputs[1:] == s.inputs[1:]:
                 out.setdefault((ga, gb), st.types[r.inputs[1]].nbytes(BINDINGS))
                 rep.setdefault((ga, gb), (r.name, s.name))
+    by_input: dict[str, list[Node]] = {}
+    for n in st.graph.nodes:
+        if kind(n) == "gemm" and n.inputs:
+            by_input.setdefault(n.inputs[0], []).append(n)
+    for x, lins in by_input.items():  # projections of one input side by side: the input is read once
+        for i, a in enumerate(lins):
+            for b in lins[i + 1:]:
+                ga, gb = st.group_of[a.name], st.group_of[b.name]
+                if ga != gb:
+                    out.setdefault((ga, gb), st.types[x].nbytes(BINDINGS))
+                    rep.setdefault((ga, gb), (a.name, b.name))
     first = {g: min(st.order[m] for m in ms) for g, ms in st.members.items()}
     return sorted(((s, first[a], *rep[(a, b)]) for (a, b), s in out.items()), key=lambda t: (-t[0], t[1]))
 

@@ -15,6 +15,7 @@ sequences due a token; otherwise it picks those rows from full logits.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -24,11 +25,6 @@ from portlayer.flatten.logits import LOGITS_INDICES, feed_last_rows
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.runtime.executable import Executable
 from portlayer.runtime.sequence import Sequence
-
-
-def _tensor(values: list[int], dtype: type, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor; numpy converts flat int lists several times faster than torch.tensor."""
-    return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values))).to(device)
 
 
 class ModelRunner:
@@ -76,20 +72,27 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(starts[-1] - 1)
         width = max((len(s.block_table) for s, _ in items), default=0)
-        tables = np.zeros((len(items), width), dtype=np.int32)
+        S, T = len(items), len(ids)  # noqa: N806
+        # two host-to-device copies per step (one per dtype), the tensors are views of them
+        small = np.zeros(2 * S + 1 + S * width, dtype=np.int32)
+        small[: S + 1] = starts
+        small[S + 1 : 2 * S + 1] = seq_lens
+        tables = small[2 * S + 1 :].reshape(S, width)
         for row, (s, _) in enumerate(items):
             tables[row, : len(s.block_table)] = s.block_table
+        big = np.fromiter(itertools.chain(ids, positions, slots), dtype=np.int64, count=3 * T)
         dev = self.device
+        small_d, big_d = torch.from_numpy(small).to(dev), torch.from_numpy(big).to(dev)
         meta = AttentionMetadata(
-            query_start_loc=_tensor(starts, np.int32, dev),
-            seq_lens=_tensor(seq_lens, np.int32, dev),
-            slot_mapping=_tensor(slots, np.int64, dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            query_start_loc=small_d[: S + 1],
+            seq_lens=small_d[S + 1 : 2 * S + 1],
+            slot_mapping=big_d[2 * T :],
+            block_tables=small_d[2 * S + 1 :].view(S, width),
             num_prefills=sum(1 for _, n in items if n > 1),
             max_query_len=max((n for _, n in items), default=0),
             max_seq_len=max(seq_lens, default=0),
         )
-        feeds = {"input_ids": _tensor(ids, np.int64, dev), "positions": _tensor(positions, np.int64, dev)}
+        feeds = {"input_ids": big_d[:T], "positions": big_d[T : 2 * T]}
         return feeds, meta, sample_rows
 
     @torch.inference_mode()

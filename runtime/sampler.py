@@ -59,6 +59,13 @@ class Sampler:
                 out[i] = self._sample_row(logits[i], seq)
         return out  # type: ignore[return-value]
 
+    @staticmethod
+    def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """(argmax, all-finite) of every row in one device-to-host copy: the all-greedy step's only sync."""
+        both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
+        toks, finite = both.tolist()
+        return toks, [bool(f) for f in finite]
+
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         p: SamplingParams = seq.params
         if p.seed is not None and seq.generator is None:

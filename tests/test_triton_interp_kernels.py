@@ -227,3 +227,85 @@ def test_weight_only_quantized_gemm(tmp_path, dtype, bits, k, group, offsets, bi
     ours = prog.run({"x": x}, None, None)[0]
     assert ours.dtype == dtype and rel_err(ours, want) <= tol(dtype), rel_err(ours, want)
     assert "torch.mm" not in (tmp_path / "host.py").read_text()  # no integer weight ever reaches torch.mm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias,epilogue", [(48, 40, False, False), (70, 96, True, True), (20, 72, False, True)])
+def test_few_rows_gemm_and_the_rows_rule(tmp_path, dtype, n, k, bias, epilogue):
+    """At <= gemv_max_tokens rows the few-rows kernel runs (fused epilogue included), above it the
+    tensor-core GEMM; both against x @ w^T (+ bias, silu) computed here in float64."""
+    g = torch.Generator().manual_seed(n + k)
+    b = GraphBuilder()
+    x = b.add_input("x", TensorType(_dt(dtype), ("num_tokens", k)))
+    wt = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    bt = torch.randn(n, generator=g).to(dtype)
+    ins = [x, b.add_param("w", wt), b.add_param("bias", bt)] if bias else [x, b.add_param("w", wt)]
+    y = b.add1("linear", ins)
+    if epilogue:
+        y = b.add1("silu", [y])
+    b.graph.outputs = [y]
+    launch = {"gemm": {"num_warps": 4, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 2},
+              "gemv": {"num_warps": 4, "TILE": 256, "PROGRAMS": 4, "num_stages": 1}}
+    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4)
+    host = (tmp_path / "host.py").read_text()
+    assert "K.gemv_" in host and "K.gemm_" in host, host
+    for t in (1, 3, 4, 7):
+        xt = torch.randn(t, k, generator=g).to(dtype)
+        want = xt.double() @ wt.double().T + (bt.double() if bias else 0)
+        if epilogue:
+            want = want * torch.sigmoid(want)
+        ours = prog.run({"x": xt}, None, None)[0]
+        assert ours.shape == (t, n) and rel_err(ours, want) <= tol(dtype), (t, rel_err(ours, want))
+
+
+@pytest.mark.parametrize("bits,k,group,offsets", [(8, 96, 32, False), (4, 128, 64, True), (8, 80, 16, True), (4, 96, 32, False)])
+def test_few_rows_weight_only_quantized(tmp_path, bits, k, group, offsets):
+    """linear_wq at decode rows: integers (int4 nibbles unpacked in registers) times per-group scales
+    (+ offsets), against x @ (q * s + o)^T in float64; above the rows rule the tensor-core kernel."""
+    g = torch.Generator().manual_seed(bits + k + group)
+    n = 36
+    lo, hi = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (n, k), generator=g)
+    s = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    o = torch.randn(n, k // group, generator=g) * 0.01 if offsets else None
+    w = q.double() * s.double().repeat_interleave(group, 1)
+    if o is not None:
+        w = w + o.double().repeat_interleave(group, 1)
+    bld = GraphBuilder()
+    xi = bld.add_input("x", TensorType("float32", ("num_tokens", k)))
+    ins = [xi, bld.add_param("qw", _pack4(q) if bits == 4 else q.to(torch.int8)), bld.add_param("scales", s), None]
+    if o is not None:
+        ins.append(bld.add_param("offsets", o))
+    bld.graph.outputs = [bld.add1("linear_wq", ins, {"bits": bits, "group_size": group})]
+    launch = {"gemv": {"num_warps": 4, "TILE": 512, "PROGRAMS": 4, "num_stages": 1}}
+    _, prog = build_program(bld.graph, tmp_path, launch=launch, gemv_max_tokens=2)
+    assert "K.gemv_w" in (tmp_path / "host.py").read_text()
+    for t in (1, 2, 5):
+        x = torch.randn(t, k, generator=g)
+        ours = prog.run({"x": x}, None, None)[0]
+        assert rel_err(ours, x.double() @ w.T) <= tol(torch.float32), (t, rel_err(ours, x.double() @ w.T))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sibling_linears_share_one_few_rows_launch(tmp_path, dtype):
+    """Q/K/V-style projections of one input: one launch at decode rows, one GEMM each above; every
+    output against x @ w_i^T computed here in float64."""
+    g = torch.Generator().manual_seed(5)
+    k, ns = 40, (48, 20, 36)
+    b = GraphBuilder()
+    x = b.add_input("x", TensorType(_dt(dtype), ("num_tokens", k)))
+    ws = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype) for n in ns]
+    b.graph.outputs = [b.add1("linear", [x, b.add_param(f"w{i}", w)]) for i, w in enumerate(ws)]
+    launch = {"gemm": {"num_warps": 4, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 2},
+              "gemv": {"num_warps": 4, "TILE": 256, "PROGRAMS": 4, "num_stages": 1}}
+    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4)
+    ks = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] == "gemm"]
+    assert len(ks) == 1 and len(ks[0]["nodes"]) == 3, ks
+    host = (tmp_path / "host.py").read_text()
+    assert host.count("K.gemv_x3_") == 1 and host.count("K.gemm_") == 3, host
+    for t in (1, 4, 6):
+        xt = torch.randn(t, k, generator=g).to(dtype)
+        outs = prog.run({"x": xt}, None, None)
+        for out, w in zip(outs, ws):
+            want = xt.double() @ w.double().T
+            assert out.shape == want.shape and rel_err(out, want) <= tol(dtype), (t, rel_err(out, want))

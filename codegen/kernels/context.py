@@ -26,6 +26,7 @@ class GenContext:
     warp_size: int = 32
     compute_units: int = 108
     triton_gemm_max_tokens: int = 0
+    gemv_max_tokens: int = 0
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
 

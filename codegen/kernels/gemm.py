@@ -10,20 +10,53 @@ the K loop, so no integer tensor ever reaches torch.mm and no float copy of the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
-from portlayer.codegen.spec import FLOAT_DTYPES, Param, ptr, short_dtype
+from portlayer.codegen.spec import FLOAT_DTYPES, Param, pow2, ptr, short_dtype
 from portlayer.flatten.ir import Node, normalize_dim
 from portlayer.flatten.ops import get_op
+
+
+def kind_of(n: Node) -> str:
+    return get_op(n.op).kind
 
 GEMM_IDX = IndexContext(full="offs", mask="cmask", row="rm[:, None]", col="rn[None, :]")
 
 
+def siblings(nodes: list[Node]) -> bool:
+    """Several plain linears and nothing else: the horizontal group of projections of one input."""
+    return len(nodes) > 1 and all(n.op == "linear" for n in nodes)
+
+
+def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
+    x = nodes[0].inputs[0]
+    for n in nodes:
+        if n.inputs[0] != x:
+            return False, f"{n.name} reads {n.inputs[0]}, not {x}: only projections of one input share a launch"
+        if len(n.inputs) > 2 and n.inputs[2] is not None:
+            return False, f"{n.name} has a bias (the sibling kernel stores the bare products)"
+        if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
+            return False, "the sibling weights differ in dtype"
+        if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
+            return False, "the sibling outputs differ in dtype"
+    x_t = query.types[x]
+    if x_t.rank != 2 or not isinstance(x_t.shape[1], int) or nodes[0].outputs[0].type.dtype not in FLOAT_DTYPES:
+        return False, f"the sibling kernel takes a [rows, K] float activation with static K, not {x_t}"
+    return True, ""
+
+
 def accepts_gemm(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     """A linear / linear_wq first, on a [rows, K] activation, then pointwise epilogue nodes over its
-    output whose extra operands are parameters or other GEMMs' outputs; only the last value leaves."""
+    output whose extra operands are parameters or other GEMMs' outputs; only the last value leaves.
+    Or: several bias-free linears of one input side by side (``siblings``), each output leaving."""
+    if len(nodes) > 1 and sum(kind_of(n) == "gemm" for n in nodes) > 1:
+        if not siblings(nodes):
+            return False, "a GEMM kernel holds one linear and its epilogue, or sibling linears of one input alone"
+        return _accepts_siblings(query, nodes)
     lin, epi = nodes[0], nodes[1:]
     if lin.op not in ("linear", "linear_wq"):
         return False, f"the GEMM kernel starts with a linear, not {lin.op}"
@@ -63,7 +96,7 @@ def accepts_gemm(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
 def gemm_scratch(group: KernelGroup) -> list[str]:
     """The vendor path writes the linear's output before the epilogue kernel reads it."""
     lin = group.nodes[0]
-    if lin.op == "linear" and len(group.nodes) > 1:
+    if lin.op == "linear" and len(group.nodes) > 1 and not siblings(group.nodes):
         return [lin.outputs[0].name]
     return []
 
@@ -78,8 +111,27 @@ def _block_k(k_group: int, want: int, minimum: int) -> int:
     return b
 
 
-def build_gemm_kernel(ctx: GenContext, group: KernelGroup):
-    """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes)."""
+def _gemv_blocks(cfg: dict[str, int], n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K at one row) of the few-rows kernel, from the Plan's launch.gemv config:
+    enough column blocks to give every compute unit ``PROGRAMS // CUs`` programs, and a W tile of
+    at most ``TILE`` elements whose K side divides K where it can (no half-empty last tile)."""
+    bn = 2
+    while bn < 16 and n // (bn * 2) >= cfg["PROGRAMS"]:
+        bn *= 2
+    cap = max(32, cfg["TILE"] // bn)
+    bk = 32
+    while bk * 2 <= cap and k % (bk * 2) == 0:
+        bk *= 2
+    if k % bk:  # K has no power-of-two divisor >= 32: masked tiles of the register budget's width
+        bk = 32
+        while bk * 2 <= min(cap, pow2(k)):
+            bk *= 2
+    return bn, bk
+
+
+def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False):
+    """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes);
+    ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products."""
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
     quant = None
@@ -101,13 +153,18 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup):
     body = None
     if epi:
         body = lower_chain(epi, ctx.types, out_t.shape, GEMM_IDX, bound={lin.outputs[0].name: "y"}, prefix="e")
-    cfg = ctx.cfg("gemm")
-    const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-             "GROUP_M": 8}
+    cfg = ctx.cfg("gemv" if few_rows else "gemm")
+    if few_rows:
+        bn, bk = _gemv_blocks(cfg, n_out, k_in)
+        const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+    else:
+        const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+                 "GROUP_M": 8}
     params = [Param("a_ptr", ptr(x_t.dtype))]
     args = [x]
     if quant:
-        const["BLOCK_K"] = _block_k(gsize, cfg["BLOCK_K"], 32 if bits == 4 else 16)
+        if not few_rows:  # the tensor-core kernel scales a whole K tile once: tiles stay in a group
+            const["BLOCK_K"] = _block_k(gsize, cfg["BLOCK_K"], 32 if bits == 4 else 16)
         const["G"] = gsize
         params += [Param("q_ptr", ptr(ctx.types[qw].dtype)), Param("s_ptr", ptr(ctx.types[sc].dtype))]
         args += [qw, sc]
@@ -127,8 +184,9 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup):
     variant = (f"w{quant['bits']}{'a' if quant['offsets'] else ''}_" if quant else "")
     variant += ("epi_" + "_".join(n.op for n in epi[:3]) + "_" if epi else "") + short_dtype(x_t.dtype)
     spec = make_kernel(
-        "triton/gemm.py.j2", "gemm", variant, params, const, cfg["num_warps"], cfg["num_stages"],
-        doc=("Weight-only quantized matrix multiply" if quant else "Matrix multiply")
+        "triton/gemv.py.j2" if few_rows else "triton/gemm.py.j2", "gemv" if few_rows else "gemm", variant, params,
+        const, cfg["num_warps"], cfg["num_stages"],
+        doc=("Weight-only quantized " if quant else "") + ("matrix multiply for few rows" if few_rows else "matrix multiply")
         + (" with a fused epilogue." if epi else "."),
         has_bias=bool(bias), dot_args=dot_args(x_t.dtype), quant=quant,
         epilogue_ptrs=[f"{op.var}_ptr" for op in epi_ops],
@@ -149,15 +207,91 @@ def _triton_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
 
+def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> list[str]:
+    consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
+    m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
+    grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
+    return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']})",
+            f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
+            f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
+
+
+def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]) -> list[str]:
+    """``if m <= limit: ... elif ...: else: rest``: the per-step choice of GEMM kernel by row count."""
+    lines: list[str] = []
+    for limit, body, why in branches:
+        lines += [f"{'if' if not lines else 'elif'} {m} <= {limit}:  # {why}"] + [f"    {v}" for v in body]
+    if not lines:
+        return rest
+    return lines + ["else:"] + [f"    {v}" for v in rest]
+
+
+def _sibling_gemv(ctx: GenContext, group: KernelGroup) -> tuple[Any, list[str]]:
+    """The one-launch few-rows kernel of sibling linears and its launch line."""
+    nodes = group.nodes
+    x = nodes[0].inputs[0]
+    x_t = ctx.types[x]
+    ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in nodes]
+    k_in = int(x_t.shape[-1])
+    cfg = ctx.cfg("gemv")
+    bn, bk = _gemv_blocks(cfg, sum(ns), k_in)
+    parts = len(nodes)
+    out_t = nodes[0].outputs[0].type
+    params = ([Param("a_ptr", ptr(x_t.dtype))] + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(nodes)]
+              + [Param(f"c{i}_ptr", ptr(out_t.dtype)) for i in range(parts)] + [Param(f"N{i}", "i32") for i in range(parts)]
+              + [Param("M", "i32")] + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
+    const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+    spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", f"x{parts}_{short_dtype(x_t.dtype)}", params, const,
+                       cfg["num_warps"], cfg["num_stages"], parts=parts,
+                       doc=f"{parts} matrix multiplies of one activation for few rows, in one launch.")
+    m = host_numel(x_t.shape[:-1])
+    grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
+    args = [x, *(n.inputs[1] for n in nodes), *(n.outputs[0].name for n in nodes), *(str(n) for n in ns)]
+    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
+                  f"K.{spec.name}[({grid},)]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, K={k_in}, "
+                  f"BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
+
+
 def build_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    """A GEMM group's code: the few-rows kernel at decode sizes (gemm_rule), else the Triton or
+    the vendor GEMM; sibling linears share one few-rows launch and run one by one above it."""
+    if not siblings(group.nodes):
+        return _build_one(ctx, group, few_rows=ctx.gemv_max_tokens > 0)
+    code = GroupCode(buffers=[n.outputs[0].name for n in group.nodes])
+    rest: list[str] = []
+    for n in group.nodes:
+        one = KernelGroup(f"{group.name}_{n.name}", group.impl, group.family, n.name, [n], [i for i in n.inputs if i],
+                          [n.outputs[0].name])
+        part = _build_one(ctx, one, few_rows=False)
+        code.kernels += part.kernels
+        rest += part.lines
+    if ctx.gemv_max_tokens <= 0:
+        code.lines = rest
+        return code
+    spec, few = _sibling_gemv(ctx, group)
+    code.kernels.append(spec)
+    m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
+    code.lines = _by_rows(m, [(ctx.gemv_max_tokens, few, "gemm_rule: a few rows read the weights once, one launch")],
+                          rest)
+    return code
+
+
+def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode:
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
     out_name = (epi[-1] if epi else lin).outputs[0].name
     code = GroupCode(buffers=[out_name])
+    m = host_numel(ctx.types[lin.inputs[0]].shape[:-1])
+    few: list[tuple[int, list[str], str]] = []
+    if few_rows:
+        spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
+        code.kernels.append(spec)
+        few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),
+                "gemm_rule: a few rows read W once on the CUDA cores")]
     if lin.op == "linear_wq":
         spec, args, const, cfg = build_gemm_kernel(ctx, group)
         code.kernels.append(spec)
-        code.lines = _triton_lines(ctx, group, spec, args, const, cfg)
+        code.lines = _by_rows(m, few, _triton_lines(ctx, group, spec, args, const, cfg))
         return code
     x, w = lin.inputs[0], lin.inputs[1]
     bias = lin.inputs[2] if len(lin.inputs) > 2 else None
@@ -172,15 +306,13 @@ def build_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
         code.buffers = [lin_out, out_name]
     limit = ctx.triton_gemm_max_tokens
     if limit <= 0:
-        code.lines = vendor
+        code.lines = _by_rows(m, few, vendor)
         return code
     spec, args, const, cfg = build_gemm_kernel(ctx, group)
     code.kernels.append(spec)
     triton_lines = _triton_lines(ctx, group, spec, args, const, cfg)
     if limit >= 1 << 30:
-        code.lines = triton_lines
+        code.lines = _by_rows(m, few, triton_lines)
     else:
-        m = host_numel(ctx.types[x].shape[:-1])
-        code.lines = ([f"if {m} <= {limit}:  # gemm_rule: the Triton GEMM wins at few rows"]
-                      + [f"    {v}" for v in triton_lines] + ["else:"] + [f"    {v}" for v in vendor])
+        code.lines = _by_rows(m, [*few, (limit, triton_lines, "gemm_rule: the Triton GEMM wins at few rows")], vendor)
     return code

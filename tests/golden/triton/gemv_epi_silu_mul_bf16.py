@@ -1,0 +1,48 @@
+"""matrix multiply for few rows with a fused epilogue.
+
+C[M, N] = A[M, K] @ W[N, K]^T followed by the fused epilogue for a few rows (decode), accumulated in float32.
+At a handful of rows a matrix multiply is a read of W: each program owns BLOCK_N output columns for
+all M rows, streams its [BLOCK_N, K] slice of W once in [BLOCK_N, BLOCK_K] tiles along K (contiguous,
+16-byte loads), and multiplies on the CUDA cores; no tensor-core tile pads the rows to 16.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_epi_silu_mul_bf16_6978af(
+    a_ptr,
+    w_ptr,
+    e0_ptr,
+    c_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+
+    y = acc
+    cmask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    y = y.to(tl.bfloat16).to(tl.float32)  # the linear's output is rounded before the epilogue
+    e0 = tl.load(e0_ptr + offs, mask=cmask, other=0).to(tl.float32)
+    t0 = y * tl.sigmoid(y)  # silu
+    t1 = t0 * e0  # mul
+    y = t1
+    tl.store(c_ptr + offs, y, mask=cmask)
