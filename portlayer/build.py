@@ -87,6 +87,8 @@ def target_label(desc: Descriptor) -> str:
 # ---- stages ---------------------------------------------------------------------------------
 CAPTURE_FORMAT = "portlayer.captured"
 CAPTURE_MANIFEST = "captured.json"
+#: captures whose weights exceed this many bytes (default 2 GiB) are not cached (issue 20: disk and time)
+CAPTURE_CACHE_MAX_ENV = "PORTLAYER_CAPTURE_CACHE_MAX_BYTES"
 
 
 def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
@@ -114,7 +116,11 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verif
                           UserWarning, stacklevel=2)
             _discard(entry)
     graph = capture(path, progress=say, verify=verify)
-    _store_capture(graph, entry, key)
+    nbytes = sum(t.nbytes() for t in graph.params.values())
+    if nbytes <= int(os.environ.get(CAPTURE_CACHE_MAX_ENV, 2 << 30)):
+        _store_capture(graph, entry, key)
+    else:  # a second copy of a big model on disk costs more (write + hash) than capturing it again
+        say(f"capture not cached: {nbytes / (1 << 30):.1f} GiB of weights > ${CAPTURE_CACHE_MAX_ENV}")
     return graph
 
 

@@ -180,3 +180,17 @@ def test_big_files_are_verified_by_parallel_chunk_hashes(bf16_llama, tmp_path, m
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(A.ArtifactError, match="weights.safetensors .*sha256 differs"):
         portlayer.load(bad)
+
+
+def test_big_captures_are_not_copied_into_the_capture_cache(tiny_dirs, monkeypatch):
+    from portlayer.build import CAPTURE_CACHE_MAX_ENV, capture_cached
+    from portlayer.runtime.cache import cache_root, model_dir_hash
+
+    d = tiny_dirs["tiny-llama"]
+    monkeypatch.setenv(CAPTURE_CACHE_MAX_ENV, "0")
+    before = set((cache_root() / "captured").glob("*")) if (cache_root() / "captured").exists() else set()
+    said: list[str] = []
+    graph = capture_cached(d, model_dir_hash(d) + "-uncached", said.append, verify=False)
+    assert graph.weights and any("capture not cached" in m for m in said)
+    after = set((cache_root() / "captured").glob("*")) if (cache_root() / "captured").exists() else set()
+    assert after == before
