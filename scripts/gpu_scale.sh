@@ -3,7 +3,7 @@
 # nvidia-h200 (compile s, peak RSS vs 1.25x weights + 2 GB), loaded (s; target <= 6 s) and decode-timed
 # at batch 1 (ms/step vs the weight-read floor: 3.7 ms measured, bytes / descriptor bandwidth printed).
 # One command, under 10 minutes: building the checkpoint ~2-3 min (once, kept in $BENCH_CACHE), compile,
-# load, decode. Disk: checkpoint 16 GB + capture cache 16 GB + artifact 16 GB (the 64 GB disk holds no 32B).
+# load, decode. Disk: checkpoint 16 GB + artifact 16 GB (captures over 2 GiB are not cached; no 32B on 64 GB).
 #   bash scripts/gpu_scale.sh            # 8B
 #   PARAMS=0.6B bash scripts/gpu_scale.sh
 # Results: $OUT/scale_<params>_h200.json (and the log beside it).
