@@ -5,11 +5,14 @@ priority; select records it with a warning)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from portlayer.backends.impls import Verdict, codegen_is, implementation
 from portlayer.capabilities.descriptor import Descriptor
 from portlayer.codegen.kernels.context import GenContext
 from portlayer.codegen.kernels.fallback import build_reference, build_view
 from portlayer.codegen.lowering import GroupCode, KernelGroup
+from portlayer.flatten.ir import Node, TensorType
 from portlayer.flatten.ops import all_ops
 
 COMPUTE_KINDS = ("pointwise", "reduction", "gemm", "attention")
@@ -46,6 +49,25 @@ def _vendor_blas(d: Descriptor) -> Verdict:
     if d.codegen == "cann":
         return False, "CANN targets call the linear through torch_npu (cann.linear)"
     return True, f"{d.vendor} BLAS through torch"
+
+
+def _sdpa_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+    if node.attrs.get("softcap"):
+        return False, "scaled_dot_product_attention has no logit softcap (the reference runs it)"
+    return True, ""
+
+
+@implementation("attention", name="torch.sdpa", family="torch", priority=5, supported=codegen_is("torch"),
+                supports=_sdpa_ok)
+def torch_sdpa(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    """Every sequence of the step in one batched scaled_dot_product_attention (codegen/torch_attention.py)."""
+    (n,) = group.nodes
+    a = n.attrs
+    q, k, v = n.inputs[:3]
+    line = (f"{n.outputs[0].name} = attention_batched({q}, {k}, {v}, st, layer={a.get('layer', 0)}, "
+            f"scale={a.get('scale')!r}, causal={bool(a.get('causal', True))}, "
+            f"sliding_window={a.get('sliding_window')!r})")
+    return GroupCode([], [line], [])
 
 
 @implementation(("linear", "matmul"), name="vendor_gemm", family="torch", priority=10, supported=_vendor_blas)

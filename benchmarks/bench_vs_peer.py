@@ -11,6 +11,11 @@ Prints a table and writes the JSON (default docs/gpu-results/vs_peer_h200.json) 
 the GPU and the commit. The numbers are benchmark figures, never test assertions.
 
     python benchmarks/bench_vs_peer.py --peer .devcarry/torch_compile_peer.py
+
+All stages take ~12 minutes on an H200 (the int4 compile quantizes 28 layers in ~165 s, the
+yardstick compiles ~60 s per batch size), more than one 10-minute device call: split them,
+``--skip-peer`` in one call and ``--skip-int4`` with the peer in another. The JSON is rewritten
+after every stage, so a call cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -74,6 +79,24 @@ def _commit() -> str:
         return "unknown"
 
 
+def _summary(runs: dict[str, Any], commit: str) -> dict[str, Any]:
+    bf16, int4, peer = runs["bf16"], runs["int4"], runs["peer"]
+    serving = bf16.get("serving", {})
+    return {
+        "gpu": bf16.get("gpu"), "commit": commit, "date": time.strftime("%Y-%m-%d"),
+        "model": "Qwen3-0.6B shape, random weights, bf16 compute, greedy",
+        "decode_b1_tok_s": _decode(bf16, 1), "decode_b64_tok_s": _decode(bf16, 64),
+        "serving_out_tok_s": serving.get("output_tok_s"), "serving_complete": serving.get("complete"),
+        "first_request_ms": bf16.get("first_request", {}).get("first_request_ms"),
+        "prefill_tok_s": bf16.get("prefill", {}).get("prefill_tok_s"),
+        "int4_decode_b1_tok_s": _decode(int4, 1) if int4 else None,
+        "peer_b1_tok_s": (peer.get("compiled_b1") or {}).get("decode_tok_s"),
+        "peer_b64_tok_s": (peer.get("compiled_b64") or {}).get("decode_tok_s"),
+        "peer_versions": peer.get("versions"), "validate": runs["checks"],
+        "runs": {"bf16": bf16, "int4": int4, "peer": {k: v for k, v in peer.items() if k.startswith("compiled_")}},
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--peer", required=True, help="path of torch_compile_peer.py (the yardstick)")
@@ -84,31 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-int4", action="store_true")
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="vs-peer-"))
-    bf16 = _serving_bench(tmp, "bf16", ["--first-request", "--prefill", "16x1024", "--decode-batches", "1,64",
-                                        "--time-limit", str(args.serving_time_limit)], 420)  # fmt: skip
-    int4 = {} if args.skip_int4 else _serving_bench(tmp, "int4", ["--quantize", "int4", "--decode-batches", "1",
-                                                                  "--skip-serving"], 300)  # fmt: skip
-    checks = {"bf16": _validate(tmp, "bf16"), **({} if args.skip_int4 else {"int4": _validate(tmp, "int4")})}
-    peer: dict[str, Any] = {}
+    runs: dict[str, Any] = {"bf16": {}, "int4": {}, "peer": {}, "checks": {}}
+
+    def save() -> dict[str, Any]:  # after every stage: a call cut short still leaves what it measured
+        res = _summary(runs, args.commit or _commit())
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        return res
+
+    runs["bf16"] = _serving_bench(tmp, "bf16", ["--first-request", "--prefill", "16x1024", "--decode-batches", "1,64",
+                                                "--time-limit", str(args.serving_time_limit)], 420)  # fmt: skip
+    save()
+    if not args.skip_int4:
+        runs["int4"] = _serving_bench(tmp, "int4", ["--quantize", "int4", "--decode-batches", "1", "--skip-serving"], 300)
+        save()
+    runs["checks"] = {"bf16": _validate(tmp, "bf16"), **({} if args.skip_int4 else {"int4": _validate(tmp, "int4")})}
+    save()
     if not args.skip_peer:
         env = {**os.environ, "OUT": str(tmp)}
         _run([sys.executable, args.peer, "--batches", "1,64", "--no-eager", "--no-extras"], 330, env)
         f = tmp / "gpu_compiled_peer.json"
-        peer = json.loads(f.read_text()) if f.exists() else {}
-    serving = bf16.get("serving", {})
-    res = {
-        "gpu": bf16.get("gpu"), "commit": args.commit or _commit(), "date": time.strftime("%Y-%m-%d"),
-        "model": "Qwen3-0.6B shape, random weights, bf16 compute, greedy",
-        "decode_b1_tok_s": _decode(bf16, 1), "decode_b64_tok_s": _decode(bf16, 64),
-        "serving_out_tok_s": serving.get("output_tok_s"), "serving_complete": serving.get("complete"),
-        "first_request_ms": bf16.get("first_request", {}).get("first_request_ms"),
-        "prefill_tok_s": bf16.get("prefill", {}).get("prefill_tok_s"),
-        "int4_decode_b1_tok_s": _decode(int4, 1) if int4 else None,
-        "peer_b1_tok_s": (peer.get("compiled_b1") or {}).get("decode_tok_s"),
-        "peer_b64_tok_s": (peer.get("compiled_b64") or {}).get("decode_tok_s"),
-        "peer_versions": peer.get("versions"), "validate": checks,
-        "runs": {"bf16": bf16, "int4": int4, "peer": {k: v for k, v in peer.items() if k.startswith("compiled_")}},
-    }  # fmt: skip
+        runs["peer"] = json.loads(f.read_text()) if f.exists() else {}
+    res = save()
     rows = [("decode batch 1 (tok/s)", res["decode_b1_tok_s"], res["peer_b1_tok_s"]),
             ("decode batch 64 (tok/s)", res["decode_b64_tok_s"], res["peer_b64_tok_s"]),
             ("serving 256 seqs (out tok/s)", res["serving_out_tok_s"], None),
@@ -119,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:.2f}" if ours and theirs else ""
         print(f"| {name} | {ours if ours is not None else '-'} | {theirs if theirs is not None else '-'} | {ratio} |")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     print(f"[vs-peer] wrote {args.json}", file=sys.stderr)
     return 0
 

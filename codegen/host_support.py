@@ -32,13 +32,14 @@ def gemm_block_m(tokens: int, largest: int) -> int:
     return bm
 
 
-def gemv_blocks(rows: int, block_k: int) -> tuple[int, int]:
+def gemv_blocks(rows: int, block_k: int, least: int = 32) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the few-rows GEMM for a step: rows padded to a power of two, and the K
-    tile narrowed as rows grow so the [rows, BLOCK_N, BLOCK_K] products keep one register budget."""
+    tile narrowed as rows grow so the [rows, BLOCK_N, BLOCK_K] products keep one register budget
+    (never below ``least``: a quantized tile holds whole groups)."""
     bm = 1
     while bm < rows:
         bm *= 2
-    return bm, max(32, block_k // bm)
+    return bm, max(least, block_k // bm)
 
 
 def ref(op: str, inputs: Sequence[Any], attrs: Mapping[str, Any], st: StepState) -> list[torch.Tensor]:

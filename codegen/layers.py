@@ -72,7 +72,7 @@ def _rename(lines: Sequence[str], mapping: Mapping[str, str], attr_map: Mapping[
 
 
 RESERVED = {"K", "W", "B", "P", "T", "S", "st", "kv_caches", "k_cache", "v_cache", "bm", "layer", "self", "torch",
-            "triton", "ref", "W_T", "gemm_block_m", "gemv_blocks", "npu", "F", "feeds"}
+            "triton", "ref", "W_T", "gemm_block_m", "gemv_blocks", "attention_batched", "npu", "F", "feeds"}
 
 
 def _local(name: str, layer: int, taken: set[str], fallback: str) -> tuple[str, list | None]:
@@ -148,7 +148,7 @@ def _canonical(blocks: list[Block], layer: int, param_users: Mapping[str, set[in
         for kv in b.kv_layers:
             expr = "layer" if kv == layer else f"layer + {kv - layer}"
             lines = [ln.replace(f"kv_caches[{kv}]", f"kv_caches[{expr}]").replace(f"'layer': {kv}", f"'layer': {expr}")
-                     for ln in lines]
+                     .replace(f"layer={kv},", f"layer={expr},") for ln in lines]
         if text:
             text.append("")
         text.append(f"# {_rename([b.title], mapping, {})[0]}")

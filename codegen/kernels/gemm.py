@@ -111,19 +111,19 @@ def _block_k(k_group: int, want: int, minimum: int) -> int:
     return b
 
 
-def _gemv_blocks(cfg: dict[str, int], n: int, k: int) -> tuple[int, int]:
+def _gemv_blocks(cfg: dict[str, int], n: int, k: int, group: int = 32) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K at one row) of the few-rows kernel, from the Plan's launch.gemv config:
     enough column blocks to give every compute unit ``PROGRAMS // CUs`` programs, and a W tile of
     at most ``TILE`` elements whose K side divides K where it can (no half-empty last tile)."""
     bn = 2
     while bn < 16 and n // (bn * 2) >= cfg["PROGRAMS"]:
         bn *= 2
-    cap = max(32, cfg["TILE"] // bn)
-    bk = 32
+    cap = max(group, cfg["TILE"] // bn)
+    bk = group
     while bk * 2 <= cap and k % (bk * 2) == 0:
         bk *= 2
     if k % bk:  # K has no power-of-two divisor >= 32: masked tiles of the register budget's width
-        bk = 32
+        bk = group
         while bk * 2 <= min(cap, pow2(k)):
             bk *= 2
     return bn, bk
@@ -155,7 +155,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         body = lower_chain(epi, ctx.types, out_t.shape, GEMM_IDX, bound={lin.outputs[0].name: "y"}, prefix="e")
     cfg = ctx.cfg("gemv" if few_rows else "gemm")
     if few_rows:
-        bn, bk = _gemv_blocks(cfg, n_out, k_in)
+        bn, bk = _gemv_blocks(cfg, n_out, k_in, max(32, gsize) if quant else 32)
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -211,7 +211,8 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> 
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
-    return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']})",
+    least = f", {const['G']}" if "G" in const else ""
+    return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
@@ -283,7 +284,8 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     code = GroupCode(buffers=[out_name])
     m = host_numel(ctx.types[lin.inputs[0]].shape[:-1])
     few: list[tuple[int, list[str], str]] = []
-    if few_rows:
+    group_size = int(lin.attrs.get("group_size") or 0) if lin.op == "linear_wq" else 0
+    if few_rows and (not group_size or pow2(group_size) == group_size):  # groups tile a power-of-two K tile
         spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
         code.kernels.append(spec)
         few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),

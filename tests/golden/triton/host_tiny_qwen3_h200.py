@@ -53,7 +53,7 @@ class Program(HostProgram):
         l0_self_attn_q_proj = B.l0_self_attn_q_proj
         l0_self_attn_k_proj = B.l0_self_attn_k_proj
         l0_self_attn_v_proj = B.l0_self_attn_v_proj
-        if T <= 16:  # gemm_rule: a few rows read the weights once, one launch
+        if T <= 4:  # gemm_rule: a few rows read the weights once, one launch
             bm, bk = gemv_blocks(T, 64)
             K.gemv_x3_bf16_0d287e[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](l0_input_layernorm_rms_norm, W.model_layers_0_self_attn_q_proj_weight, W.model_layers_0_self_attn_k_proj_weight, W.model_layers_0_self_attn_v_proj_weight, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, 64, 32, 32, T, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -98,7 +98,7 @@ class Program(HostProgram):
 
         # l0_self_attn_o_proj: triton.gemm [linear]
         l0_self_attn_o_proj = B.l0_self_attn_o_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_bf16_bcdb49[(triton.cdiv(64, 2),)](l0_self_attn_reshape_3, W.model_layers_0_self_attn_o_proj_weight, l0_self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -111,7 +111,7 @@ class Program(HostProgram):
 
         # l0_mlp_up_proj: triton.gemm [linear]
         l0_mlp_up_proj = B.l0_mlp_up_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_bf16_bcdb49[(triton.cdiv(128, 2),)](l0_post_attention_layernorm_rms_norm, W.model_layers_0_mlp_up_proj_weight, l0_mlp_up_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -120,7 +120,7 @@ class Program(HostProgram):
         # l0_mlp_gate_proj: triton.gemm [linear, silu, mul]
         l0_mlp_gate_proj = B.l0_mlp_gate_proj
         l0_mlp_mul = B.l0_mlp_mul
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_epi_silu_mul_bf16_6978af[(triton.cdiv(128, 2),)](l0_post_attention_layernorm_rms_norm, W.model_layers_0_mlp_gate_proj_weight, l0_mlp_up_proj, l0_mlp_mul, T, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -129,7 +129,7 @@ class Program(HostProgram):
 
         # l0_mlp_down_proj: triton.gemm [linear]
         l0_mlp_down_proj = B.l0_mlp_down_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
             K.gemv_bf16_bcdb49[(triton.cdiv(64, 2),)](l0_mlp_mul, W.model_layers_0_mlp_down_proj_weight, l0_mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -146,7 +146,7 @@ class Program(HostProgram):
 
         # lm_head: triton.gemm [linear]
         lm_head = B.lm_head
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_bf16_bcdb49[(triton.cdiv(256, 2),)](norm_rms_norm, W.lm_head_weight, lm_head, T, BLOCK_M=bm, BLOCK_K=bk, N=256, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -166,7 +166,7 @@ class Program(HostProgram):
         self_attn_q_proj = B.self_attn_q_proj
         self_attn_k_proj = B.self_attn_k_proj
         self_attn_v_proj = B.self_attn_v_proj
-        if T <= 16:  # gemm_rule: a few rows read the weights once, one launch
+        if T <= 4:  # gemm_rule: a few rows read the weights once, one launch
             bm, bk = gemv_blocks(T, 64)
             K.gemv_x3_bf16_0d287e[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](input_layernorm_rms_norm, P.self_attn_q_proj_weight, P.self_attn_k_proj_weight, P.self_attn_v_proj_weight, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, 64, 32, 32, T, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -211,7 +211,7 @@ class Program(HostProgram):
 
         # self_attn_o_proj: triton.gemm [linear]
         self_attn_o_proj = B.self_attn_o_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_bf16_bcdb49[(triton.cdiv(64, 2),)](self_attn_reshape_3, P.self_attn_o_proj_weight, self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -224,7 +224,7 @@ class Program(HostProgram):
 
         # mlp_up_proj: triton.gemm [linear]
         mlp_up_proj = B.mlp_up_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_bf16_bcdb49[(triton.cdiv(128, 2),)](post_attention_layernorm_rms_norm, P.mlp_up_proj_weight, mlp_up_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -233,7 +233,7 @@ class Program(HostProgram):
         # mlp_gate_proj: triton.gemm [linear, silu, mul]
         mlp_gate_proj = B.mlp_gate_proj
         mlp_mul = B.mlp_mul
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
             K.gemv_epi_silu_mul_bf16_6978af[(triton.cdiv(128, 2),)](post_attention_layernorm_rms_norm, P.mlp_gate_proj_weight, mlp_up_proj, mlp_mul, T, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
@@ -242,7 +242,7 @@ class Program(HostProgram):
 
         # mlp_down_proj: triton.gemm [linear]
         mlp_down_proj = B.mlp_down_proj
-        if T <= 16:  # gemm_rule: a few rows read W once on the CUDA cores
+        if T <= 4:  # gemm_rule: a few rows read W once on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
             K.gemv_bf16_bcdb49[(triton.cdiv(64, 2),)](mlp_mul, P.mlp_down_proj_weight, mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
