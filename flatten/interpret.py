@@ -55,7 +55,8 @@ def run_graph(
     if not ctx.bindings:
         ctx.bindings = bind_symbols(graph, inputs)
     ctx.bindings.setdefault("num_seqs", 1 if ctx.attn_metadata is None else len(ctx.attn_metadata.seq_lens))
-    env: dict[str, torch.Tensor] = dict(weights if weights is not None else graph.weights)
+    params = weights if weights is not None else graph.weights  # read per node: a lazy weight lives one op
+    env: dict[str, torch.Tensor] = {}
     for v in graph.inputs:
         env[v.name] = inputs[v.name]
     last_use: dict[str, int] = {}
@@ -65,7 +66,7 @@ def run_graph(
                 last_use[x] = i
     keep = set(graph.outputs) | set(graph.params)
     for i, n in enumerate(graph.nodes):
-        args = [env[x] if x is not None else None for x in n.inputs]
+        args = [(env[x] if x in env else params[x]) if x is not None else None for x in n.inputs]
         try:
             outs = get_op(n.op).reference(args, n.attrs, ctx)
         except Exception as e:
@@ -76,7 +77,7 @@ def run_graph(
         for x in n.inputs:
             if x is not None and last_use.get(x) == i and x not in keep:
                 env.pop(x, None)
-    return [env[o] for o in graph.outputs]
+    return [env[o] if o in env else params[o] for o in graph.outputs]
 
 
 def interpret(

@@ -287,7 +287,7 @@ class Graph:
             params=dict(self.params),
             nodes=[n.clone() for n in self.nodes],
             outputs=list(self.outputs),
-            weights=dict(self.weights),
+            weights=self.weights.copy(),  # a WeightStore stays lazy (flatten/weights_stream.py)
             meta=dict(self.meta),
         )
 

@@ -200,27 +200,30 @@ def _atomic_write(path: Path, write) -> None:
 
 def save_graph(graph: Graph, directory: str | os.PathLike) -> Path:
     """Write graph.json and weights.safetensors into ``directory`` (created if missing)."""
-    from safetensors.torch import save_file
-
     stray = sorted(set(graph.weights) - set(graph.params))
     if stray:
         raise ValueError(f"graph.weights has tensors that are not params: {stray}; add them to graph.params or drop them")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    stored, aliases = dedupe_weights(graph.weights)
+    from portlayer.flatten.weights_stream import stream_entries, write_tensors
+
+    entries, aliases = stream_entries(graph.weights)  # tensor by tensor: never a second copy of the model
     doc = graph_to_json(graph)
     doc["weights"] = {"file": WEIGHTS_FILE, "names": list(graph.weights), "aliases": aliases}
     text = json.dumps(doc, indent=1)
     _atomic_write(out / GRAPH_FILE, lambda p: Path(p).write_text(text + "\n"))
-    _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(stored, p, metadata={"format": "pt", "portlayer": FORMAT}))
+    _atomic_write(out / WEIGHTS_FILE, lambda p: write_tensors(p, entries, metadata={"format": "pt", "portlayer": FORMAT}))
     return out
 
 
-def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | None = None) -> Graph:
+def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | None = None,
+               open_weights: Callable[[str], Any] | None = None) -> Graph:
     """Read a directory written by save_graph; errors name the file and what was expected.
 
     ``read(file_name) -> bytes`` supplies the files instead of the disk (a loaded artifact
-    passes the bytes it verified, so a file changed after verification is never used)."""
+    passes the bytes it verified, so a file changed after verification is never used).
+    ``open_weights(file_name) -> {name: tensor}`` opens the weights file instead of ``read``
+    (a loaded artifact memory-maps it: no copy of the model is read into memory up front)."""
     from safetensors.torch import load, load_file
 
     root = Path(directory)
@@ -250,7 +253,10 @@ def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | N
             raise GraphFileError(f"{wpath}: not found; {gpath.name} lists {len(names)} weights stored there")
         return graph
     try:
-        tensors = load(read(wfile)) if read is not None else load_file(str(wpath))
+        if open_weights is not None:
+            tensors = open_weights(wfile)
+        else:
+            tensors = load(read(wfile)) if read is not None else load_file(str(wpath))
     except Exception as e:  # safetensors raises its own error types for corrupt headers/data
         if isinstance(e, PortlayerError):  # e.g. the artifact's reader refusing a changed file
             raise

@@ -10,6 +10,7 @@ import keyword
 from typing import Any
 
 from portlayer.flatten.ir import Graph, TensorType, dtype_name, torch_dtype
+from portlayer.flatten.weights_stream import raw
 
 
 class VerificationError(ValueError):
@@ -183,10 +184,10 @@ def _check_outputs_and_weights(graph: Graph, problems: list[str]) -> None:
         if name not in graph.params:
             problems.append(f"weight {name!r} has no entry in graph.params")
     for name, t in graph.params.items():
-        w = graph.weights.get(name)
-        if w is None:
+        if name not in graph.weights:
             problems.append(f"param {name}: no weight tensor, while other params have one")
             continue
+        w = raw(graph.weights, name)  # its dtype and shape: a lazy weight is not made to check them
         try:
             wd = dtype_name(w.dtype)
         except ValueError:

@@ -9,6 +9,7 @@ float32 internally, as their reference implementations say.
 from __future__ import annotations
 
 from portlayer.flatten.ir import Graph, torch_dtype
+from portlayer.flatten.weights_stream import cast, raw, store_of
 from portlayer.passes.context import PassContext
 from portlayer.passes.util import retype
 
@@ -22,8 +23,9 @@ def precision(graph: Graph, ctx: PassContext) -> Graph:
     for name, t in list(g.params.items()):
         if t.dtype in FLOATS and t.dtype != dtype:
             g.params[name] = t.with_dtype(dtype)
-            if name in g.weights:
-                g.weights[name] = g.weights[name].to(torch_dtype(dtype))
+            if name in g.weights:  # cast when read (written, run, copied to a device): never a second copy
+                g.weights = store_of(g.weights)
+                g.weights[name] = cast(raw(g.weights, name), torch_dtype(dtype))
             changed = True
     if changed:
         retype(g)

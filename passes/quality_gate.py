@@ -96,8 +96,16 @@ def logits_of(graph: Graph, ids: torch.Tensor, device: str | torch.device = "cpu
         if v.name not in feeds:  # logits_indices (select_logit_rows): every row
             feeds[v.name] = torch.arange(ids.shape[0], device=device)
     keep32 = {x for n in graph.nodes if n.op == "linear_wq" for x in n.inputs[2:5:2] if x}
-    weights = {k: (w.to(device, torch.float32 if k in keep32 else dtype) if w.is_floating_point() else w.to(device))
-               for k, w in graph.weights.items()}
+    if torch.device(device).type == "cpu":  # cast per node as the interpreter reads it: no second copy of the model
+        from portlayer.flatten.weights_stream import WeightStore, cast, raw
+
+        weights = WeightStore()
+        for k in graph.weights:
+            w = raw(graph.weights, k)
+            weights[k] = cast(w, torch.float32 if k in keep32 else dtype) if w.dtype.is_floating_point else w
+    else:
+        weights = {k: (w.to(device, torch.float32 if k in keep32 else dtype) if w.is_floating_point() else w.to(device))
+                   for k, w in graph.weights.items()}
     ctx = ExecContext(attn_metadata=AttentionMetadata.from_lens([int(ids.shape[0])], device=device), device=device)
     with torch.no_grad():
         return run_graph(graph, feeds, ctx, weights=weights)[0].float().cpu()

@@ -87,6 +87,8 @@ def target_label(desc: Descriptor) -> str:
 # ---- stages ---------------------------------------------------------------------------------
 CAPTURE_FORMAT = "portlayer.captured"
 CAPTURE_MANIFEST = "captured.json"
+#: captures whose weights exceed this many bytes (default 2 GiB) are not cached (issue 20: disk and time)
+CAPTURE_CACHE_MAX_ENV = "PORTLAYER_CAPTURE_CACHE_MAX_BYTES"
 
 
 def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
@@ -114,7 +116,11 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verif
                           UserWarning, stacklevel=2)
             _discard(entry)
     graph = capture(path, progress=say, verify=verify)
-    _store_capture(graph, entry, key)
+    nbytes = sum(t.nbytes() for t in graph.params.values())
+    if nbytes <= int(os.environ.get(CAPTURE_CACHE_MAX_ENV, 2 << 30)):
+        _store_capture(graph, entry, key)
+    else:  # a second copy of a big model on disk costs more (write + hash) than capturing it again
+        say(f"capture not cached: {nbytes / (1 << 30):.1f} GiB of weights > ${CAPTURE_CACHE_MAX_ENV}")
     return graph
 
 
@@ -145,20 +151,36 @@ def _load_capture(entry: Path, key: str) -> Graph:
             held[name] = data
         return held[name]
 
-    return load_graph(entry, read=read)
+    def open_weights(name: str) -> Any:
+        """Hashed in chunks, then memory-mapped: the weights are never read into memory whole."""
+        from portlayer.flatten.weights_stream import open_safetensors
+        from portlayer.runtime.artifact import sha256_file
+
+        p = entry / name
+        if name not in files:
+            raise ValueError(f"{name} is not listed in {CAPTURE_MANIFEST}")
+        before = p.stat()
+        if sha256_file(p) != files[name]:
+            raise ValueError(f"{name}: sha256 differs from {CAPTURE_MANIFEST}")
+        after = p.stat()
+        if (before.st_ino, before.st_size, before.st_mtime_ns) != (after.st_ino, after.st_size, after.st_mtime_ns):
+            raise ValueError(f"{name}: changed while it was being checked")
+        return open_safetensors(p)
+
+    return load_graph(entry, read=read, open_weights=open_weights)
 
 
 def _store_capture(graph: Graph, entry: Path, key: str) -> None:
     """Write the entry atomically (staging dir, hashes, rename); a failure leaves no entry."""
-    import hashlib
     import json
 
     from portlayer.flatten.serialize import save_graph
+    from portlayer.runtime.artifact import sha256_file
 
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
         save_graph(graph, tmp)
-        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir())}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}  # in chunks: never the whole file in memory
         (tmp / CAPTURE_MANIFEST).write_text(json.dumps({"format": CAPTURE_FORMAT, "key": key, "files": files}))
         os.replace(tmp, entry)
     except OSError:

@@ -43,6 +43,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="with --predict: decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="with --predict: cached tokens per decoding sequence")
     p.add_argument("--prefill-tokens", type=int, default=128, help="with --predict: tokens of the prefill step")
+    p.add_argument("--host-memory", default=None, metavar="GIB", type=float,
+                   help="check the memory needs against this much host memory (default: this machine's)")
     p.set_defaults(func=cmd_explain)
 
 
@@ -158,7 +160,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         plan = _gated_plan(args.model, target, overrides)
     else:
         plan = negotiate(req, target, overrides, quality=_quality(args.model))
-    print(plan.dumps() if args.json else plan.format_table())
+    needs = _memory_needs(args.model, req, plan, target)
+    if args.json:
+        print(plan.dumps())
+    else:
+        print(plan.format_table())
+        print(needs.format_table())
+    _check_host_memory(needs, target, getattr(args, "host_memory", None))
     if getattr(args, "predict", False):
         from portlayer.cli_predict import explain_predict
 
@@ -175,6 +183,35 @@ def _degree(text: str) -> int:
         return int(text)
     except ValueError:
         raise PlanError(f"--tensor-parallel {text!r}: use a positive number of ranks, or auto") from None
+
+
+def _memory_needs(model: str, req, plan, target):
+    """Host and device memory of compiling and serving (capabilities/memory_needs.py), from the files' sizes."""
+    from portlayer.capabilities.memory_needs import checkpoint_bytes, memory_needs
+
+    path = Path(model)
+    if not path.exists():
+        try:
+            from portlayer.builtin_models import resolve_model
+
+            path = Path(resolve_model(model))
+        except (FileNotFoundError, ValueError, RuntimeError, OSError):
+            path = None
+    if path is not None and path.suffix == ".json":
+        path = path.parent
+    stored, _ = checkpoint_bytes(path, req)
+    return memory_needs(req, plan, target.device_type, stored)
+
+
+def _check_host_memory(needs, target, host_gib: float | None) -> None:
+    """A PlanError (the CLI prints it, exit 2) when this machine cannot compile (or, CPU, serve) the model."""
+    from portlayer.capabilities.memory_needs import check_host, host_memory_bytes
+
+    if host_gib is not None:
+        available, where = int(host_gib * (1 << 30)), "--host-memory"
+    else:
+        available, where = host_memory_bytes()
+    check_host(needs, available, where, serving_here=target.device_type == "cpu")
 
 
 def _quality(model: str) -> dict | None:

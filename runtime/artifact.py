@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
+from portlayer.runtime.file_hash import chunks_match, hashes
 from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
@@ -145,7 +146,8 @@ class ArtifactWriter:
         files = {}
         for rel in _walk(self.dir):
             p = self.dir / rel
-            files[rel] = {"kind": kind_of(rel, self.kinds), "sha256": sha256_file(p), "bytes": p.stat().st_size}
+            # big files also get per-chunk sha256, checked in parallel on load (runtime/file_hash.py)
+            files[rel] = {"kind": kind_of(rel, self.kinds), **hashes(p), "bytes": p.stat().st_size}
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -170,6 +172,8 @@ class Manifest:
     raw: dict[str, Any] = field(repr=False)
     #: bytes of the files verify_artifact checked (all but the large ones): later reads use these
     held: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    #: (inode, size, mtime_ns) of each larger file when its sha256 was checked: it is mapped only if unchanged
+    checked: Mapping[str, tuple[int, int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
@@ -245,6 +249,7 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
     root = m.path
     problems = []
     held: dict[str, bytes] = {}
+    checked: dict[str, tuple[int, int, int]] = {}
     for rel, info in m.files.items():
         p = root / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute() or rel == MANIFEST:
@@ -261,8 +266,13 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
                 problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
             else:
                 held[rel] = data
-        elif sha256_file(p) != info["sha256"]:
-            problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+        else:
+            before = _stat_key(p)
+            ok = chunks_match(p, info)  # per-chunk hashes in parallel threads, when the manifest has them
+            if not (ok if ok is not None else sha256_file(p) == info["sha256"]):
+                problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+            elif _stat_key(p) == before:
+                checked[rel] = before
     for rel in _walk(root):
         if rel not in m.files:
             problems.append(f"{rel}: not listed in the manifest (added after compile)")
@@ -274,7 +284,7 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
     for kind in ("graph", "weights", "plan", "capability"):
         if not m.files_of(kind):
             raise ArtifactError(f"{root / MANIFEST}: lists no {kind} file; the artifact is incomplete, recompile it")
-    return Manifest(root, m.raw, held)
+    return Manifest(root, m.raw, held, checked)
 
 
 def _parents_below(root: Path, p: Path) -> list[Path]:
@@ -303,6 +313,28 @@ def read_verified_bytes(m: Manifest, rel: str) -> bytes:
         raise ArtifactError(f"{m.path / rel} ({info['kind']}): changed since the artifact was verified (sha256 differs "
                             "from the manifest); reload it, or restore the file")
     return data
+
+
+def _stat_key(p: Path) -> tuple[int, int, int]:
+    st = p.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_verified_weights(m: Manifest, rel: str) -> Any:
+    """Tensors of the safetensors member ``rel``: from the held bytes, or memory-mapped (safe_open)
+    when the file is still the one whose sha256 verification checked (same inode, size and mtime),
+    so a big model is never read into memory whole; a file changed since is refused."""
+    if rel in m.held or rel not in m.checked:
+        from safetensors.torch import load
+
+        return load(read_verified_bytes(m, rel))
+    p = m.path / rel
+    if _stat_key(p) != m.checked[rel]:
+        raise ArtifactError(f"{p} ({m.files[rel]['kind']}): changed since the artifact was verified (size or "
+                            "modification time differs); reload it, or restore the file")
+    from portlayer.flatten.weights_stream import open_safetensors
+
+    return open_safetensors(p)
 
 
 def verified_sources(m: Manifest) -> Any:

@@ -94,7 +94,7 @@ def tensors_hash(tensors: Mapping[str, Any], extra: Any = None) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
-        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy() if t.numel() else b"")  # no copy of the bytes
     return h.hexdigest()
 
 

@@ -38,7 +38,8 @@ class ReferenceExecutable:
         self.device = torch.device(device)
         floats = [t.dtype for t in graph.params.values() if t.dtype.startswith(("float", "bfloat"))]
         self.dtype = torch_dtype(floats[0]) if floats else torch.float32
-        self.weights = {k: v.to(self.device) for k, v in graph.weights.items()}
+        # on the CPU the graph's own weights (a lazy one is made per node as it runs, not all at once)
+        self.weights = graph.weights if self.device.type == "cpu" else {k: v.to(self.device) for k, v in graph.weights.items()}
 
     def run(self, feeds, attn_metadata, kv_caches) -> list[torch.Tensor]:
         from portlayer.flatten.interpret import ExecContext, bind_symbols, run_graph

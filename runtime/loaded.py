@@ -51,7 +51,8 @@ class LoadedArtifact:
         from portlayer.flatten.verify import VerificationError, verify_graph
 
         try:  # from the bytes verified by load() (weights: re-checked against the manifest as read)
-            graph = load_graph(self.path, read=lambda name: A.read_verified_bytes(self.manifest, name))
+            graph = load_graph(self.path, read=lambda name: A.read_verified_bytes(self.manifest, name),
+                               open_weights=lambda name: A.open_verified_weights(self.manifest, name))
             verify_graph(graph)  # the IR rules, kernel groups and memory plan: codegen trusted them
         except GraphFileError as e:
             raise ArtifactError(f"{e}\nRecompile: `{_recompile(self.manifest)}`") from None
@@ -64,7 +65,24 @@ class LoadedArtifact:
         return (self.device.torch_device if self.device is not None else None) or "cpu"
 
     def executable(self) -> Any:
-        """The program to run: the backend's generated host program if it has one, else the reference."""
+        """The program to run: the backend's generated host program if it has one, else the reference.
+
+        A load over 2 s says on stderr what it moved and how fast (weights are memory-mapped and
+        copied to the device one tensor at a time)."""
+        import time
+
+        t0 = time.perf_counter()
+        exe = self._executable()
+        dt = time.perf_counter() - t0
+        if dt > 2.0:
+            import sys
+
+            nbytes = sum(int(f.get("bytes", 0)) for f in self.manifest.files.values() if f.get("kind") == "weights")
+            print(f"[portlayer] loaded {self.path.name}: {nbytes / (1 << 30):.2f} GiB of weights onto "
+                  f"{self.torch_device} in {dt:.1f} s ({nbytes / dt / 1e9:.2f} GB/s)", file=sys.stderr)
+        return exe
+
+    def _executable(self) -> Any:
         if self.device is None:
             raise ArtifactError(
                 f"artifact {self.path} was opened with check_device=False; load it with the device check to run it"
@@ -217,7 +235,16 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
     torch_npu calls (docs/ascend.md) instead of checking for an NPU; any other artifact is refused.
     ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN".
     ``interpret=True`` opens a Triton artifact to run on this CPU under the Triton interpreter."""
+    import time
+
+    t0 = time.perf_counter()
     m = A.verify_artifact(path)
+    if time.perf_counter() - t0 > 2.0:
+        import sys
+
+        nbytes = sum(int(f.get("bytes", 0)) for f in m.files.values())
+        print(f"[portlayer] verified {m.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if emulate is None:
         from portlayer.backends.ascend import emulator_requested
 

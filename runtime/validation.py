@@ -151,10 +151,11 @@ class _Reference:
     dtype = torch.float32
 
     def __init__(self, graph: Graph) -> None:
+        from portlayer.flatten.weights_stream import cast_view
         from portlayer.runtime.executable import ReferenceExecutable
 
         self.inner = ReferenceExecutable(graph)
-        self.inner.weights = {k: v.float() if v.is_floating_point() else v for k, v in graph.weights.items()}
+        self.inner.weights = cast_view(graph.weights, torch.float32)  # per node as it runs: no float32 copy of the model
 
     def run(self, feeds, attn_metadata, kv_caches):
         return [o.float() for o in self.inner.run(feeds, attn_metadata, kv_caches)]
