@@ -263,6 +263,11 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
         raise ArtifactError(f"{e}\nThe artifact's descriptor is damaged; recompile: `{_recompile(m)}`") from None
     if interpret:
         device = interpreted_device(m)
+        dtype = plan.value("compute_dtype") if "compute_dtype" in plan.names() else None
+        if dtype == "bfloat16":  # numpy has no bfloat16: the interpreter's bf16 arithmetic is not the GPU's
+            raise ArtifactError(f"artifact {m.path} computes in bfloat16, which the Triton interpreter does not "
+                                "reproduce on the CPU (its results would differ from the reference for that reason "
+                                "alone); to check a GPU artifact here, compile it with --dtype float32")
     elif emulate:  # explicit request: a CANN artifact on the CPU emulator (A.emulated_device refuses others)
         device = A.emulated_device(m)
     else:
