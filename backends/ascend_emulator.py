@@ -435,7 +435,7 @@ class AscendEmulator:
 
     # ---- grouped matmul (MoE experts; torch_npu >= 7.0 docs, not yet in ascend-ops.md) --------------
     def npu_grouped_matmul(self, x: list, weight: list, *, bias: list | None = None, group_list: Any = None,
-                           split_item: int = 0, group_type: int = -1, group_list_type: int = 0,
+                           split_item: int = 0, group_type: int | None = None, group_list_type: int = 0,
                            output_dtype: Any = None, **quant: Any) -> list:
         """The single-tensor form MoE uses: x = [rows [M, K]] sorted by group, weight = [W [E, K, N]],
         group_list = int64 [E] (cumulative ends with group_list_type 0, counts with 1), group_type 0

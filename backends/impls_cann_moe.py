@@ -10,7 +10,7 @@ token's top-k in a fixed order. The expert weights are transposed to [E, K, N] o
 
 Unconfirmed: npu_grouped_matmul is not in ../shared/reference/ascend-ops.md yet. Its signature and
 the 3-D weight / tensor group_list form are read from the torch_npu 7.0 API docs (ptaoplist,
-"npu_grouped_matmul(x, weight, *, bias=None, ..., group_list=None, split_item=0, group_type=-1,
+"npu_grouped_matmul(x, weight, *, bias=None, ..., group_list=None, split_item=0, group_type=None,
 group_list_type=0, act_type=0, output_dtype=None)"); the emulator (backends/ascend_emulator.py)
 checks only that form. npu_moe_gating_top_k / npu_moe_init_routing are not used: the router
 stays the model's own ops, and the sort is three torch calls.

@@ -59,9 +59,11 @@ class Sampler:
                 out[i] = self._sample_row(logits[i], seq)
         return out  # type: ignore[return-value]
 
-    @staticmethod
-    def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """(argmax, all-finite) of every row in one device-to-host copy: the all-greedy step's only sync."""
+    def greedy_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[bool]] | None:
+        """(argmax, all-finite) of every row in one device-to-host copy, the all-greedy step's only sync;
+        None when a row needs more than its argmax (sampling, or a subclass recording logprobs)."""
+        if not all(s.params.greedy for s in seqs):
+            return None
         both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
         toks, finite = both.tolist()
         return toks, [bool(f) for f in finite]

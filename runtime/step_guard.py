@@ -50,13 +50,14 @@ def sample_guarded(sampler: Any, logits: torch.Tensor | None, seqs: Seq[Sequence
     sampler itself does, so a failing row leaves every other row's random stream untouched."""
     if not seqs or logits is None:
         return []
-    if hasattr(sampler, "greedy_rows") and all(s.params.greedy for s in seqs):
-        try:
-            toks, ok = sampler.greedy_rows(logits)
-        except Exception as e:
-            return [f"sampling failed ({type(e).__name__}: {e})"] * len(seqs)
+    fast = getattr(sampler, "greedy_rows", None)
+    try:
+        rows = fast(logits, list(seqs)) if fast is not None else None
+    except Exception as e:
+        return [f"sampling failed ({type(e).__name__}: {e})"] * len(seqs)
+    if rows is not None:
         return [int(t) if f else "the model produced non-finite logits (NaN or Inf) for this request"
-                for t, f in zip(toks, ok)]
+                for t, f in zip(*rows)]
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     out: list[int | str] = ["the model produced non-finite logits (NaN or Inf) for this request" if not ok else ""
                             for ok in finite]
