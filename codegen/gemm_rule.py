@@ -18,19 +18,20 @@ from __future__ import annotations
 from typing import Any
 
 
+def _tuning(descriptor: Any, key: str) -> float:
+    return float((getattr(descriptor, "tuning", None) or {}).get(key, 0))
+
+
 def gemv_max_tokens(descriptor: Any) -> int:
     """The descriptor's measured few-rows crossover ($.tuning.gemv_max_tokens), else 0 (never)."""
-    tuning = getattr(descriptor, "tuning", None) or {}
-    return int(tuning.get("gemv_max_tokens", 0))
+    return int(_tuning(descriptor, "gemv_max_tokens"))
 
 
 def gemv_max_weight_bytes(descriptor: Any) -> int:
     """The largest weight the few-rows kernel takes ($.tuning.gemv_max_weight_mib), else 0 (any)."""
-    tuning = getattr(descriptor, "tuning", None) or {}
-    return int(float(tuning.get("gemv_max_weight_mib", 0)) * 2**20)
+    return int(_tuning(descriptor, "gemv_max_weight_mib") * 2**20)
 
 
 def triton_gemm_max_tokens(descriptor: Any) -> int:
     """The descriptor's measured crossover ($.tuning.triton_gemm_max_tokens), else 0."""
-    tuning = getattr(descriptor, "tuning", None) or {}
-    return int(tuning.get("triton_gemm_max_tokens", 0))
+    return int(_tuning(descriptor, "triton_gemm_max_tokens"))
