@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.utils.rnn import pad_sequence
 
-from portlayer.flatten.op_defs.attention import read_kv_cache, write_kv_cache
+from portlayer.flatten.op_defs.attention import read_kv_cache, visible_keys, write_kv_cache
 
 
 def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any, *, layer: int,
@@ -44,13 +44,7 @@ def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any
     lens_t = torch.tensor(lens, device=dev)
     qpos = (lens_t - torch.tensor(lq, device=dev))[:, None] + torch.arange(qp.shape[2], device=dev)[None, :]
     kpos = torch.arange(kp.shape[2], device=dev)[None, None, :]
-    mask = kpos < lens_t[:, None, None]  # [B, Lq, S]
-    if causal:
-        mask = mask & (kpos <= qpos[:, :, None])
-    if sliding_window:
-        mask = mask & (kpos > qpos[:, :, None] - sliding_window)
-        if not causal:
-            mask = mask & (kpos < qpos[:, :, None] + sliding_window)
+    mask = (kpos < lens_t[:, None, None]) & visible_keys(qpos[:, :, None], kpos, causal, sliding_window)  # [B, Lq, S]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale,
                                          enable_gqa=qp.shape[1] != kp.shape[1])  # [B, Hq, Lq, Dv]

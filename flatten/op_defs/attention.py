@@ -83,6 +83,19 @@ def _attn_flops(ins, outs, a, b) -> int:
     return int(4 * t * span * h * d)
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each query sees (broadcast of ``q_pos`` against ``k_pos``): causal keeps k <= q; a
+    sliding window w keeps the last w positions, or, without causality, |q - k| < w."""
+    mask = torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool, device=q_pos.device)
+    if causal:
+        mask &= k_pos <= q_pos
+    if sliding_window:
+        mask &= k_pos > q_pos - sliding_window
+        if not causal:
+            mask &= k_pos < q_pos + sliding_window
+    return mask
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -109,13 +122,7 @@ def attention_reference(
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     kpos = torch.arange(k.shape[0], device=q.device)
-    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-    if causal:
-        mask &= kpos[None, :] <= q_pos[:, None]
-    if sliding_window:  # causal: the last w positions; bidirectional: w-1 either side (|q - k| < w)
-        mask &= kpos[None, :] > q_pos[:, None] - sliding_window
-        if not causal:
-            mask &= kpos[None, :] < q_pos[:, None] + sliding_window
+    mask = visible_keys(q_pos[:, None], kpos[None, :], causal, sliding_window)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)
