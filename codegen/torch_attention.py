@@ -6,17 +6,84 @@ same computation for a whole step: new K/V written to the paged cache, each sequ
 gathered (from the cache, or its own new tokens without one), padded to the step's longest query
 and context, and masked by key validity, causality and the sliding window (two-sided without
 causality), in float32 like the reference. Padded query rows are dropped on the way out.
+
+The step's layout (which rows to gather, the mask) is the same in every layer, so it is worked
+out once per step (:func:`step_layout`, kept on the step state) and each layer pays one gather
+per tensor. A step of equal-length cache-less sequences (an embedding batch) needs no gather
+at all: the token stream is already [B, L, H, D].
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch.nn.utils.rnn import pad_sequence
 
-from portlayer.flatten.op_defs.attention import read_kv_cache, visible_keys, write_kv_cache
+from portlayer.flatten.op_defs.attention import visible_keys, write_kv_cache
+
+
+@dataclass
+class StepLayout:
+    """Where each sequence's queries and keys sit, padded to [B, Lq] and [B, S] rows."""
+
+    batch: int
+    q_len: int  # longest query of the step
+    kv_len: int  # longest context of the step
+    dense: bool  # equal-length cache-less sequences: the stream reshapes to [B, L, ...] as it is
+    q_rows: torch.Tensor | None  # [B * Lq] stream rows (padding repeats a real row; its output is dropped)
+    out_rows: torch.Tensor | None  # [T] rows of the padded [B * Lq] output that are real tokens
+    kv_rows: torch.Tensor | None  # [B * S] stream rows, or cache slots when paged
+    mask: torch.Tensor | None  # [B, 1, Lq, S] bool, None when every key is visible (or is_causal says it)
+    is_causal: bool  # the mask is SDPA's own aligned causal one (Lq == S, nothing padded)
+
+
+def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] row numbers start_b + min(i, len_b - 1): padding repeats a real row, never reads past it."""
+    i = torch.arange(width, device=starts.device)[None, :]
+    return starts[:, None] + torch.minimum(i, (lens[:, None] - 1).clamp(min=0))
+
+
+def step_layout(st: Any, *, causal: bool, sliding_window: int | None, paged: bool) -> StepLayout:
+    """The step's layout for these attention attributes (cached on ``st``: layers share it)."""
+    key = ("torch_attention_layout", causal, sliding_window, paged)
+    cache = st.__dict__.setdefault("_layouts", {}) if hasattr(st, "__dict__") else {}
+    if key not in cache:
+        cache[key] = _build_layout(st, causal=causal, sliding_window=sliding_window, paged=paged)
+    return cache[key]
+
+
+def _build_layout(st: Any, *, causal: bool, sliding_window: int | None, paged: bool) -> StepLayout:
+    meta = st.meta
+    qsl = meta.query_start_loc.to("cpu", torch.int64)
+    lq = qsl[1:] - qsl[:-1]
+    b = int(lq.shape[0])
+    lq_max = int(lq.max()) if b else 0
+    lens = meta.seq_lens.to("cpu", torch.int64) if paged else lq
+    s_max = int(lens.max()) if b else 0
+    dev = st.device
+    if not paged and b and bool((lq == lq_max).all()):
+        if sliding_window:  # aligned positions 0..L-1 in every sequence: one [L, L] mask for all
+            pos = torch.arange(lq_max, device=dev)
+            mask = visible_keys(pos[:, None], pos[None, :], causal, sliding_window)[None, None]
+            return StepLayout(b, lq_max, lq_max, True, None, None, None, mask, False)
+        return StepLayout(b, lq_max, lq_max, True, None, None, None, None, causal)
+    q_rows = _padded_rows(qsl[:-1], lq, lq_max)
+    out_rows = (torch.arange(b)[:, None] * lq_max + torch.arange(lq_max)[None, :])[
+        torch.arange(lq_max)[None, :] < lq[:, None]]
+    if paged:
+        bt = meta.block_tables.to("cpu", torch.int64)
+        bs = int(st.kv_caches[0][0].shape[1])
+        pos = torch.minimum(torch.arange(s_max)[None, :], (lens[:, None] - 1).clamp(min=0))
+        kv_rows = bt.gather(1, pos // bs) * bs + pos % bs
+    else:
+        kv_rows = _padded_rows(qsl[:-1], lq, s_max)
+    qpos = (lens - lq)[:, None] + torch.arange(lq_max)[None, :]
+    kpos = torch.arange(s_max)[None, None, :]
+    mask = (kpos < lens[:, None, None]) & visible_keys(qpos[:, :, None], kpos, causal, sliding_window)
+    return StepLayout(b, lq_max, s_max, False, q_rows.reshape(-1).to(dev), out_rows.to(dev),
+                      kv_rows.reshape(-1).to(dev), None if bool(mask.all()) else mask[:, None].to(dev), False)
 
 
 def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any, *, layer: int,
@@ -26,27 +93,24 @@ def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any
     if caches is not None and meta.slot_mapping is not None:
         k_cache, v_cache = caches[layer]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    starts = meta.query_start_loc.tolist()
-    spans = [(s, e) for s, e in zip(starts[:-1], starts[1:])]
-    lq = [e - s for s, e in spans]
     paged = caches is not None and meta.block_tables is not None
-    if paged:
-        k_cache, v_cache = caches[layer]
-        lens = meta.seq_lens.tolist()
-        ctx = [read_kv_cache(k_cache, v_cache, meta.block_tables[b], lens[b]) for b in range(len(spans))]
+    lay = step_layout(st, causal=causal, sliding_window=sliding_window, paged=paged)
+    b, lq, s = lay.batch, lay.q_len, lay.kv_len
+    if lay.dense:
+        qp, kp, vp = (t.reshape(b, lq, *t.shape[1:]) for t in (q, k, v))
     else:
-        lens = lq
-        ctx = [(k[s:e], v[s:e]) for s, e in spans]
-    qp = pad_sequence([q[s:e] for s, e in spans], batch_first=True).float().transpose(1, 2)  # [B, Hq, Lq, D]
-    kp = pad_sequence([c[0] for c in ctx], batch_first=True).float().transpose(1, 2)  # [B, Hkv, S, D]
-    vp = pad_sequence([c[1] for c in ctx], batch_first=True).float().transpose(1, 2)
-    dev = q.device
-    lens_t = torch.tensor(lens, device=dev)
-    qpos = (lens_t - torch.tensor(lq, device=dev))[:, None] + torch.arange(qp.shape[2], device=dev)[None, :]
-    kpos = torch.arange(kp.shape[2], device=dev)[None, None, :]
-    mask = (kpos < lens_t[:, None, None]) & visible_keys(qpos[:, :, None], kpos, causal, sliding_window)  # [B, Lq, S]
+        qp = q.index_select(0, lay.q_rows).view(b, lq, *q.shape[1:])
+        if paged:
+            k_src, v_src = (c.view(-1, *c.shape[2:]) for c in caches[layer])
+        else:
+            k_src, v_src = k, v
+        kp = k_src.index_select(0, lay.kv_rows).view(b, s, *k_src.shape[1:])
+        vp = v_src.index_select(0, lay.kv_rows).view(b, s, *v_src.shape[1:])
+    qp, kp, vp = (t.float().transpose(1, 2) for t in (qp, kp, vp))  # [B, H, L, D]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale,
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=lay.mask, is_causal=lay.is_causal, scale=scale,
                                          enable_gqa=qp.shape[1] != kp.shape[1])  # [B, Hq, Lq, Dv]
-    out = out.transpose(1, 2)
-    return torch.cat([out[b, :n] for b, n in enumerate(lq)]).to(q.dtype)
+    out = out.transpose(1, 2).reshape(b * lq, out.shape[1], out.shape[3])  # [B * Lq, Hq, Dv]
+    if not lay.dense:
+        out = out.index_select(0, lay.out_rows)
+    return out.to(q.dtype)
