@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from portlayer.runtime.block_manager import BlockManager
+from portlayer.runtime.embed_batches import BatchRunner, plan_batches, step_workers
 from portlayer.runtime.executable import Executable
 from portlayer.runtime.kv_cache import KVCacheSpec, allocate_kv_caches
 from portlayer.runtime.model_runner import ModelRunner
@@ -92,6 +93,8 @@ class LLMEngine:
         self.block_manager = BlockManager(max(num_blocks, 1), bs, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(nseqs, budget, chunk), self.block_manager)
         self.runner = ModelRunner(executable, self.kv_caches, bs)
+        self._backend = backend  # its descriptor's tuning steers how embedding batches share the cores
+        self._embed_runner: BatchRunner | None = None
         self.sampler = Sampler(seed)
         self.eos_token_id = self.meta.get("eos_token_id")
         if isinstance(self.eos_token_id, list):
@@ -338,15 +341,15 @@ class LLMEngine:
             if not lists[-1] or len(lists[-1]) > limit:
                 raise RequestRejected(f"input {i} has {len(lists[-1])} tokens; the model takes 1 to {limit}")
         pooled = self.meta.get("task") == "embedding"
-        out, batch, ntok = [], [], 0
-        for ids in lists + [None]:  # batches of whole sequences under the token budget
-            if ids is None or (batch and ntok + len(ids) > self.config.max_batched_tokens):
-                out.append(self.runner.embed(batch, pooled))
-                batch, ntok = [], 0
-            if ids is not None:
-                batch.append(ids)
-                ntok += len(ids)
-        return torch.cat(out) if out else torch.empty(0)
+        if not lists:
+            return torch.empty(0)
+        # batches of similar lengths under the token budget, side by side where the descriptor says (embed_batches.py)
+        if self._embed_runner is None:
+            self._embed_runner = BatchRunner(*step_workers(self.executable, getattr(self._backend, "descriptor", None)))
+        batches = plan_batches([len(t) for t in lists], self.config.max_batched_tokens, self._embed_runner.workers)
+        outs = self._embed_runner.map(lambda b: self.runner.embed([lists[i] for i in b], pooled), batches)
+        order = torch.tensor([i for b in batches for i in b])
+        return torch.cat(outs)[torch.argsort(order).to(outs[0].device)]
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -177,6 +177,9 @@ class LoadedArtifact:
             from portlayer.backends.registry import backend_class
 
             kwargs.setdefault("backend", backend_class("cpu")(self.descriptor, 0))
+        if self.descriptor.device_type == exe.device.type:  # the artifact's descriptor: its allocation and tuning
+            idx = self.device.index if self.device is not None and self.device.index is not None else 0
+            kwargs.setdefault("backend", get_backend(self.descriptor, index=max(idx, 0)))
         kwargs.setdefault("backend", get_backend(exe.device.type))
         kwargs.setdefault("tokenizer", self.tokenizer())
         return LLMEngine(exe, meta, self.plan, **kwargs)
