@@ -11,7 +11,7 @@
 # $OUT/gpu_binaries.json when OUT is set. Needs no network and no pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ART=scripts/gpu_binaries/tiny-qwen3-h200
+ART=${ART:-.devcarry/gpu_binaries/tiny-qwen3-h200}  # built here by `build` (git-ignored, carried to the H200)
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
