@@ -202,6 +202,33 @@ class BinaryKernel:
         return holders + [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
 
 
+class BinaryVariants:
+    """One kernel compiled for several launch configurations (constexprs, warps): each launch runs the
+    binary whose configuration it names, as Triton's JIT would pick (or compile) its specialisation."""
+
+    def __init__(self, name: str, kernels: list[BinaryKernel]) -> None:
+        self.name, self.kernels = name, kernels
+
+    def __repr__(self) -> str:
+        return f"<BinaryVariants {self.name} ({len(self.kernels)} binaries)>"
+
+    def pick(self, kwargs: Mapping[str, Any]) -> BinaryKernel:
+        for k in self.kernels:
+            if (all(kwargs.get(c, v) == v for c, v in k.constexprs.items())
+                    and int(kwargs.get("num_warps", k.rec["num_warps"])) == int(k.rec["num_warps"])):
+                return k
+        given = {c: kwargs[c] for c in self.kernels[0].constexprs if c in kwargs}
+        made = [k.constexprs for k in self.kernels]
+        raise KernelBinaryError(f"{self.name}: launched with {given}, the binaries were compiled for {made}; "
+                                "recompile the artifact")
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.pick(kwargs).run(grid, args, kwargs)
+
+        return launch
+
+
 # ---- binding an artifact's kernels ------------------------------------------------------------------------
 
 
@@ -266,6 +293,9 @@ def bind(fns: Mapping[str, Any], sources: Any, device: torch.device | str | None
     with torch.cuda.device(device):
         torch.empty(1, device=device)  # make torch's (primary) context current before loading modules
         for name, rec in index["kernels"].items():
-            if name in out:
-                out[name] = BinaryKernel(name, rec, sources.read(rec["file"]), drv, device)
+            if name not in out:
+                continue
+            kernels = [BinaryKernel(name, r, sources.read(r["file"]), drv, device)
+                       for r in (rec, *rec.get("variants", ()))]
+            out[name] = kernels[0] if len(kernels) == 1 else BinaryVariants(name, kernels)
     return out

@@ -39,7 +39,9 @@ def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
             p.write_text(src)
             files.append(p)
         meta = {n: {"family": k.family, "fn": k.fn, "signature": k.signature(), "constexprs": k.constexprs,
-                    "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n)}
+                    "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n),
+                    **({"variants": [{"signature": v.signature(), "constexprs": v.constexprs, "num_warps": v.num_warps,
+                                      "num_stages": v.num_stages} for v in k.variants]} if k.variants else {})}
                 for n, k in gen.kernels.items()}
         (out / "kernels.json").write_text(json.dumps({"kernels": meta, "fallbacks": gen.fallbacks}, indent=2))
         files.append(out / "kernels.json")

@@ -154,3 +154,46 @@ def test_launch_parameters_follow_the_binary_abi(arts):
     wrong = {**rec["constexprs"], "N": 2 * rec["constexprs"]["N"]}
     with pytest.raises(KB.KernelBinaryError, match="compiled for"):
         k.pack((x, w, out, 4, 1e-6), wrong)
+
+
+def test_every_launch_the_program_makes_has_its_binary(tiny_dirs, tmp_path, monkeypatch):
+    """A kernel shared by groups of different shapes is one module but several binaries (its constexprs
+    differ per launch). Every launch a real run makes — prefill and decode, recorded under the Triton
+    interpreter — must find a binary compiled for exactly its configuration."""
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    art = tmp_path / "h200-fp32"
+    portlayer.compile(str(tiny_dirs["tiny-qwen3"]), target="nvidia-h200", dtype="float32", output=art,
+                      progress=False, sources_only=False)
+    launches: list[tuple[str, dict]] = []
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, dict(kwargs)))
+                return self.fn[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = LLMEngine.from_artifact(art, interpret=True)
+    eng.generate([[5, 6, 7, 8, 9], list(range(3, 20))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    index = json.loads((art / "binaries.json").read_text())["kernels"]
+    manifest = json.loads((art / "manifest.json").read_text())
+    sets = {n: KB.BinaryVariants(n, [KB.BinaryKernel(n, r, b"", _NoDriver(), torch.device("cpu"))
+                                     for r in (rec, *rec.get("variants", ()))]) for n, rec in index.items()}
+    assert launches and {n for n, _ in launches} <= set(sets)
+    assert any(len(s.kernels) > 1 for s in sets.values())  # the few-rows GEMM runs at several (N, K)
+    for name, kwargs in launches:
+        sets[name].pick(kwargs)  # raises KernelBinaryError when no binary has this configuration
+    for rec in index.values():
+        for r in (rec, *rec.get("variants", ())):
+            assert manifest["files"][r["file"]]["sha256"] == r["sha256"]
+    some = next(s for s in sets.values() if len(s.kernels) > 1)
+    with pytest.raises(KB.KernelBinaryError, match="compiled for"):
+        some.pick({c: -1 for c in some.kernels[0].constexprs})
