@@ -32,6 +32,17 @@ def gemm_block_m(tokens: int, largest: int) -> int:
     return bm
 
 
+def gemm_block_m_choices(largest: int) -> list[dict[str, int]]:
+    """Every BLOCK_M that gemm_block_m can pick (one kernel binary each)."""
+    return [{"BLOCK_M": bm} for bm in sorted({gemm_block_m(t, largest) for t in range(1, 2 * largest + 1)})]
+
+
+def gemv_block_choices(max_rows: int, block_k: int, least: int = 32) -> list[dict[str, int]]:
+    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for 1..max_rows rows."""
+    pairs = sorted({gemv_blocks(r, block_k, least) for r in range(1, max(1, max_rows) + 1)})
+    return [{"BLOCK_M": bm, "BLOCK_K": bk} for bm, bk in pairs]
+
+
 def gemv_blocks(rows: int, block_k: int, least: int = 32) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the few-rows GEMM for a step: rows padded to a power of two, and the K
     tile narrowed as rows grow so the [rows, BLOCK_N, BLOCK_K] products keep one register budget

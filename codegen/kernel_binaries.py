@@ -22,6 +22,7 @@ import ctypes
 import json
 import os
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -202,6 +203,18 @@ class BinaryKernel:
         return holders + [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
 
 
+def match_launch(name: str, records: Seq[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> int:
+    """Index of the launch record (kernels.json / binaries.json: constexprs, num_warps) that a launch with
+    these keyword arguments runs; KernelBinaryError when none was compiled for it."""
+    for i, rec in enumerate(records):
+        if (all(kwargs.get(c, v) == v for c, v in rec["constexprs"].items())
+                and int(kwargs.get("num_warps", rec["num_warps"])) == int(rec["num_warps"])):
+            return i
+    given = {c: kwargs[c] for c in records[0]["constexprs"] if c in kwargs}
+    raise KernelBinaryError(f"{name}: launched with {given}, the binaries were compiled for "
+                            f"{[r['constexprs'] for r in records]}; recompile the artifact")
+
+
 class BinaryVariants:
     """One kernel compiled for several launch configurations (constexprs, warps): each launch runs the
     binary whose configuration it names, as Triton's JIT would pick (or compile) its specialisation."""
@@ -213,14 +226,7 @@ class BinaryVariants:
         return f"<BinaryVariants {self.name} ({len(self.kernels)} binaries)>"
 
     def pick(self, kwargs: Mapping[str, Any]) -> BinaryKernel:
-        for k in self.kernels:
-            if (all(kwargs.get(c, v) == v for c, v in k.constexprs.items())
-                    and int(kwargs.get("num_warps", k.rec["num_warps"])) == int(k.rec["num_warps"])):
-                return k
-        given = {c: kwargs[c] for c in self.kernels[0].constexprs if c in kwargs}
-        made = [k.constexprs for k in self.kernels]
-        raise KernelBinaryError(f"{self.name}: launched with {given}, the binaries were compiled for {made}; "
-                                "recompile the artifact")
+        return self.kernels[match_launch(self.name, [k.rec for k in self.kernels], kwargs)]
 
     def __getitem__(self, grid: Any):
         def launch(*args: Any, **kwargs: Any) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: Flat IR dtype -> Triton pointer element / tl dtype spelling.
@@ -48,14 +48,17 @@ class KernelSpec:
     #: other launch configurations of this same source (one kernel module, several compiled binaries):
     #: a kernel shared by groups of different shapes is specialised per constexpr set, as Triton's JIT does
     variants: list[KernelSpec] = field(default_factory=list)
+    #: constexpr values the host program picks per step (the row tile by the step's rows): each dict
+    #: overrides ``constexprs`` for one launch configuration that the shipped binaries must cover
+    runtime_choices: list[dict[str, Any]] = field(default_factory=list)
 
     def signature(self) -> dict[str, str]:
         return {p.name: p.kind for p in self.params}
 
     def launch_key(self) -> str:
         """What makes a compiled binary of this source distinct: argument types, constexprs, warps, stages."""
-        return json.dumps([self.signature(), self.constexprs, self.num_warps, self.num_stages], sort_keys=True,
-                          default=str)
+        return json.dumps([self.signature(), self.constexprs, self.num_warps, self.num_stages, self.runtime_choices],
+                          sort_keys=True, default=str)
 
     def add_variant(self, other: KernelSpec) -> None:
         """Record ``other`` (same name, so the same code: make_kernel names kernels by their code's digest) as
@@ -65,8 +68,16 @@ class KernelSpec:
             self.variants.append(other)
 
     def launches(self) -> list[KernelSpec]:
-        """This kernel's launch configurations, itself first (one binary each)."""
-        return [self, *self.variants]
+        """Every launch configuration of this kernel (one binary each): per variant, each run-time choice."""
+        out: list[KernelSpec] = []
+        seen: set[str] = set()
+        for spec in (self, *self.variants):
+            for choice in spec.runtime_choices or [{}]:
+                one = replace(spec, constexprs={**spec.constexprs, **choice}, variants=[], runtime_choices=[])
+                if one.launch_key() not in seen:
+                    seen.add(one.launch_key())
+                    out.append(one)
+        return out
 
     @property
     def digest(self) -> str:
