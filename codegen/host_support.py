@@ -273,6 +273,18 @@ class HostProgram:
         graph.replay()
         return [o[:T].clone() for o in outs]
 
+    def capture_all(self, kv_caches: Any) -> int:
+        """Capture the decode graph of every capture size now (at load), not on the first step of each
+        size: the static inputs hold no slot (-1) and no context, so nothing is written to the KV cache."""
+        if not (self.use_graphs and kv_caches is not None):
+            return 0
+        self._static_state(kv_caches)
+        pointers = tuple(c.data_ptr() for pair in kv_caches for c in pair)
+        for B in self.capture_sizes:  # noqa: N806
+            if (B, pointers) not in self._graphs:
+                self._graphs[(B, pointers)] = self._capture(B, kv_caches)
+        return len(self.capture_sizes)
+
     def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
         s = self._static
         st = StepState(B, B, 0, B, 1, s.qsl[: B + 1], s.seq_lens[:B], s.slots[:B], s.block_tables[:B],
