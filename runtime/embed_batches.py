@@ -1,7 +1,7 @@
 """How an embedding request's sequences become program steps, and how those steps share the cores.
 
-Batches: sequences sorted by length, cut under the token budget (and into at least as many
-batches as there are workers, while each batch keeps one sequence), so a batch holds sequences
+Batches: sequences sorted by length, cut into runs of about equal tokens under the token budget
+(as many as a multiple of the workers, so they finish together), so a batch holds sequences
 of similar lengths (the CPU attention then needs no padding: codegen/torch_attention.py) and the
 order of the results is restored afterwards.
 
@@ -21,23 +21,33 @@ from typing import Any
 import torch
 
 
+def _cut(order: list[int], lens: Sequence[int], n: int) -> list[list[int]]:
+    """``order`` cut into at most ``n`` contiguous runs of about equal tokens (by each sequence's midpoint)."""
+    total = sum(lens[i] for i in order)
+    runs: list[list[int]] = [[] for _ in range(n)]
+    done = 0
+    for i in order:
+        runs[min(n - 1, int((done + lens[i] / 2) * n / total))].append(i)
+        done += lens[i]
+    return [r for r in runs if r]
+
+
 def plan_batches(lens: Sequence[int], budget: int, workers: int = 1) -> list[list[int]]:
-    """Indices of the sequences in each batch: longest first, whole sequences, at most ``budget``
-    tokens a batch (a longer sequence goes alone), and at least ``workers`` batches when there are
-    that many sequences, split evenly by tokens."""
+    """Indices of the sequences in each batch: sorted longest first and cut into runs of about equal
+    tokens, at most ``budget`` a batch (a longer sequence goes alone), as many batches as a multiple of
+    ``workers`` (so the workers finish together) when there are that many sequences."""
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     total = sum(lens)
-    per = min(budget, -(-total // max(1, workers))) if total else budget
-    batches: list[list[int]] = []
-    ntok = 0
-    for i in order:
-        if batches and ntok + lens[i] <= per:
-            batches[-1].append(i)
-            ntok += lens[i]
-        else:
-            batches.append([i])
-            ntok = lens[i]
-    return batches
+    if not order or not total:
+        return [order] if order else []
+    w = max(1, min(workers, len(order)))
+    n = w * max(1, -(-total // (w * max(1, budget))))
+    while n < len(order):
+        batches = _cut(order, lens, n)
+        if all(len(b) == 1 or sum(lens[i] for i in b) <= budget for b in batches):
+            return batches
+        n += w
+    return [[i] for i in order]
 
 
 def step_workers(executable: Any, descriptor: Any) -> tuple[int, int]:
