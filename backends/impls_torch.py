@@ -86,3 +86,37 @@ def vendor_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
         dst = out
     line = (f"torch.addmm({bias}, {x}, W_T({w}), out={dst})" if bias else f"torch.mm({x}, W_T({w}), out={dst})")
     return GroupCode([], [line], [out])
+
+
+PACK_MAX_BYTES = 4 * 2**20  # a packed copy doubles the weight's memory: small weights only (MiniLM's <= 2.4 MB)
+
+
+def _mkl_packable(node: Node, types: Mapping[str, TensorType]) -> Verdict:
+    w, x = types[node.inputs[1]], types[node.inputs[0]]
+    if w.dtype != "float32" or x.dtype != "float32" or node.outputs[0].type.dtype != "float32":
+        return False, f"MKL's packed sgemm is float32; this linear is {x.dtype} x {w.dtype}"
+    if w.rank != 2 or not all(isinstance(d, int) for d in w.shape):
+        return False, f"the weight {w} is not a static 2-D matrix"
+    if w.nbytes({}) > PACK_MAX_BYTES:
+        return False, f"weight of {w.nbytes({}) / 2**20:.1f} MiB > {PACK_MAX_BYTES >> 20} MiB: a packed copy would double it"
+    if x.rank != 2 or not isinstance(x.shape[1], int):
+        return False, f"the packed GEMM takes a [rows, K] activation, not {x}"
+    return True, ""
+
+
+def _x86_torch(d: Descriptor) -> Verdict:
+    ok, why = codegen_is("torch")(d)
+    if not ok:
+        return ok, why
+    if d.arch not in ("x86_64", "AMD64"):
+        return False, f"MKL's packed sgemm is an x86-64 library; {d.name} is {d.arch}"
+    return True, "MKL packed sgemm (x86-64 torch builds ship MKL)"
+
+
+@implementation("linear", name="torch.mkl_packed", family="torch", priority=5, supported=_x86_torch,
+                supports=_mkl_packable)
+def mkl_packed_linear(ctx: GenContext, group: KernelGroup) -> GroupCode:
+    """The weight packed once for MKL, then one packed GEMM with the bias per step (codegen/torch_linear.py)."""
+    (n,) = group.nodes
+    bias = n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else "None"
+    return GroupCode([], [f"{n.outputs[0].name} = packed_linear({n.inputs[0]}, {n.inputs[1]}, {bias})"], [])

@@ -90,4 +90,4 @@ def test_inspect_cli_json(tiny_dirs, tmp_path, capsys):
     assert (tmp_path / "d" / "08_memory_plan.py").exists()
     rc = main(["inspect", str(tiny_dirs["tiny-qwen3"]), "--target", "cpu-x86_64", "--after", "select"])
     text = capsys.readouterr().out
-    assert "impl': 'torch.linear'" in text and "kernel" not in text.split("def forward")[1]
+    assert "impl': 'torch.mkl_packed'" in text and "kernel" not in text.split("def forward")[1]
