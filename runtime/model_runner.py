@@ -95,7 +95,11 @@ class ModelRunner:
         big = np.fromiter(itertools.chain(ids, positions, slots, patch_dst, patch_src), dtype=np.int64,
                           count=3 * T + 2 * P)
         dev = self.device
-        small_d, big_d = torch.from_numpy(small).to(dev), torch.from_numpy(big).to(dev)
+        if dev.type == "cpu":
+            small_d, big_d = torch.from_numpy(small), torch.from_numpy(big)
+        else:  # from pinned memory, without waiting: a pageable copy would wait for the step in flight
+            small_d = torch.from_numpy(small).pin_memory().to(dev, non_blocking=True)
+            big_d = torch.from_numpy(big).pin_memory().to(dev, non_blocking=True)
         if P:
             big_d[:T].index_copy_(0, big_d[3 * T : 3 * T + P], pending.index_select(0, big_d[3 * T + P :]))
         meta = AttentionMetadata(
