@@ -97,6 +97,8 @@ class ModelRunner:
         dev = self.device
         if dev.type == "cpu":
             small_d, big_d = torch.from_numpy(small), torch.from_numpy(big)
+        elif dev.type != "cuda":
+            small_d, big_d = torch.from_numpy(small).to(dev), torch.from_numpy(big).to(dev)
         else:  # from pinned memory, without waiting: a pageable copy would wait for the step in flight
             small_d = torch.from_numpy(small).pin_memory().to(dev, non_blocking=True)
             big_d = torch.from_numpy(big).pin_memory().to(dev, non_blocking=True)
