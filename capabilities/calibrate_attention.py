@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from portlayer.capabilities.calibrate_timing import Progress, Sizes, iters_for, sig, time_per_iter
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.flatten.ops import get_op
 
@@ -73,7 +73,7 @@ def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progre
         for batch, context in sizes.attn_points:
             ins, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, device)
             fn = lambda ins=ins, ctx=ctx: run(ins, ctx)  # noqa: E731
-            t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 200), sizes.warmup, sizes.reps)
+            t = measure_s(fn, device, sizes, 2 * sizes.budget_s, 200)
             points.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "us": sig(t * 1e6),
                            "gbps": sig(kv_bytes / t / 1e9)})
     f = fit(points)

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+#: the calibrated op whose costs stand in for an uncalibrated op of the same kind (flatten/ops.py kinds)
+REPRESENTATIVE = {"pointwise": "mul", "reduction": "softmax", "data": "index_select", "sequence": "softmax"}
 DTYPE_KEYS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "float64": "fp64"}
 
 
@@ -55,6 +57,9 @@ class Curves:
     crossover_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
     attention_kernel: str | None = None  # what the attention calibration timed
+    torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
+    torch_step_us: float = 0.0  # torch family: what run() pays once per step (the step state)
+    threads: int | None = None  # torch threads the calibration ran with
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -86,6 +91,8 @@ class Curves:
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
+            torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
+            threads=cal.get("threads"),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -102,6 +109,22 @@ class Curves:
         if nbytes <= sizes[0]:  # below the sweep: the smallest kernel's time is the floor
             return sizes[0] / (gbps[0] * 1e3)
         return nbytes / (interp_log(nbytes, sizes, gbps) * 1e3)
+
+    def torch_node_us(self, op: str, kind: str, nbytes: float) -> float | None:
+        """A torch-family node: its op's fixed cost through host_support.ref plus the part that grows with
+        its bytes, scaled from the calibrated cache-resident point along the bandwidth sweep; None when
+        not calibrated. An op not in the table takes a calibrated op of its kind (REPRESENTATIVE)."""
+        if not self.torch_nodes:
+            return None
+        e = self.torch_nodes.get(op) or self.torch_nodes.get(REPRESENTATIVE.get(kind, ""))
+        if e is None:
+            e = sorted(self.torch_nodes.values(), key=lambda v: v["us"])[len(self.torch_nodes) // 2]
+        lo, hi = self.memory_us(e["bytes"]), self.memory_us(e["big_bytes"])
+        grow = max(0.0, e["big_us"] - e["us"])
+        if hi > lo:
+            return e["us"] + grow * max(0.0, self.memory_us(nbytes) - lo) / (hi - lo)
+        span = max(1.0, e["big_bytes"] - e["bytes"])
+        return e["us"] + grow * max(0.0, nbytes - e["bytes"]) / span
 
     def floor_us(self) -> float:
         return self.memory_us(1.0) if self.sweep else 0.0
@@ -127,10 +150,14 @@ class Curves:
         base = min(self.floor_us(), curve[0][1] * 0.5)
         return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
 
+    def batched_attention(self) -> bool:
+        """The attention fit timed one batched call per step (the torch family's sdpa), not the op reference."""
+        return "sdpa" in str(self.attention_kernel or "") and self.attention is not None
+
     def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:
         """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs."""
         compute = flops / (self.peak_tflops(dtype) * 1e6)
-        batched = "sdpa" in str(self.attention_kernel or "")  # one call for the whole step: the fit's terms
+        batched = self.batched_attention()  # one call for the whole step: the fit's terms
         k = self.ops_per_sequence() if torch_family and not batched else None
         if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
             return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute

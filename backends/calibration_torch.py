@@ -1,0 +1,98 @@
+"""Calibration of what a torch-codegen (CPU) host program pays per node (capabilities/ cannot import codegen/).
+
+A torch-family program calls each node's reference implementation through
+``codegen/host_support.ref``; on a small model that call's fixed cost, not the bytes it moves, is
+most of a step, and it differs per op (a norm is five torch calls, an add one). So each common op
+is timed through that same call at one token (its fixed cost) and at a cache-resident size (what
+grows with its bytes), the linear op's decode GEMM curve is timed through it too (replacing the
+bare ``torch.mm`` curve), and one step of a one-node program gives the per-step cost of ``run``
+(state, feeds, output copies). The cost model reads them (passes/cost_model_curves.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
+from portlayer.capabilities.descriptor import load_descriptor
+
+SMALL = (1, 64)  # (tokens, hidden): the fixed cost of a call
+BIG = (256, 512)  # cache-resident: 512 KiB per fp32 activation, so the sweep's cache-hot rate applies
+TABLE_ROWS = 4096
+
+
+def _cases(t: int, h: int) -> dict[str, tuple[list[Any], dict[str, Any], list[int]]]:
+    """op -> (inputs, attrs, indices of inputs that are tables read by row: counted as the rows read)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+    d = 64 if h >= 64 else h
+    heads = h // d
+    cache = torch.randn(TABLE_ROWS, d, generator=g)
+    return {
+        "rms_norm": ([x, torch.ones(h)], {}, []),
+        "layer_norm": ([x, torch.ones(h), torch.zeros(h)], {}, []),
+        "add": ([x, y], {}, []),
+        "mul": ([x, y], {}, []),
+        "silu": ([x], {}, []),
+        "gelu": ([x], {}, []),
+        "softmax": ([x], {}, []),
+        "rope": ([x.view(t, heads, d), torch.arange(t), cache], {"rotary_dim": d, "head_dim": d}, [2]),
+        "embedding": ([torch.randn(TABLE_ROWS, h, generator=g), torch.randint(0, TABLE_ROWS, (t,), generator=g)], {},
+                      [0]),
+        "index_select": ([x, torch.arange(0, t, max(1, t // 8))], {"dim": 0}, []),
+    }  # fmt: skip
+
+
+def _bytes(ins: list[Any], outs: list[torch.Tensor], tables: list[int]) -> int:
+    out = sum(o.numel() * o.element_size() for o in outs)
+    read = sum(x.numel() * x.element_size() for i, x in enumerate(ins) if isinstance(x, torch.Tensor) and i not in tables)
+    return read + out * (1 + len(tables))
+
+
+def measure_torch_nodes(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:
+    """{op: {us, bytes, big_us, big_bytes}} through host_support.ref, the linear curves through it, the step cost."""
+    if load_descriptor(base).codegen != "torch" or dev.type != "cpu":
+        return {}
+    from portlayer.capabilities.calibrate_attention import paged_case
+    from portlayer.codegen.host_support import StepState, ref
+    from portlayer.flatten.ops import get_op
+
+    progress.start(f"torch-family nodes through host_support.ref at {SMALL} and {BIG} (tokens, hidden)")
+    table: dict[str, dict[str, Any]] = {}
+    with torch.inference_mode():
+        for size_key, (t, h) in (("", SMALL), ("big_", BIG)):
+            st = StepState.build(None, t, dev, None)
+            for op, (ins, attrs, tables) in _cases(t, h).items():
+                full = get_op(op).complete_attrs(attrs)
+                fn = lambda op=op, ins=ins, full=full, st=st: ref(op, ins, full, st)  # noqa: E731
+                outs = fn()
+                us = measure_s(fn, dev, sizes, sizes.budget_s / 2) * 1e6
+                table.setdefault(op, {}).update({f"{size_key}us": sig(us), f"{size_key}bytes": _bytes(ins, outs, tables)})
+        # what run() pays once per step whatever the model: the step state from a decode's paged metadata
+        _, ctx, _ = paged_case(1, 16, (1, 1, 8), torch.float32, dev)
+        md, caches = ctx.attn_metadata, ctx.kv_cache
+        step_us = measure_s(lambda: StepState.build(md, 1, dev, caches), dev, sizes, sizes.budget_s / 2) * 1e6
+    progress.done(", ".join(f"{k} {v['us']:.3g}/{v['big_us']:.3g} us" for k, v in table.items())
+                  + f"; step state {step_us:.3g} us")
+    return {"torch_nodes": table, "torch_step_us": sig(step_us), **_linear_curves(dev, sizes, progress, _ref_linear(dev))}
+
+
+def _ref_linear(dev: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+    from portlayer.codegen.host_support import StepState, ref
+
+    st = StepState.build(None, 1, dev, None)
+    return lambda x, w, out: ref("linear", [x, w, None], {}, st)
+
+
+def _linear_curves(dev: torch.device, sizes: Sizes, progress: Progress,
+                   run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> dict[str, Any]:
+    from portlayer.capabilities.calibrate_gemm import measure_small_m
+
+    small_k = max(64, sizes.gemm_k // 8)
+    with torch.inference_mode():
+        big = measure_small_m(dev, "fp32", sizes, progress, run=run, label="linear via host_support.ref")
+        small = measure_small_m(dev, "fp32", sizes, progress, small_k, run=run, label="linear via host_support.ref")
+    return {"gemm_curves": {"fp32": big}, "gemm_curves_small": {"fp32": small}, "gemm_small_k": small_k}
