@@ -16,7 +16,6 @@ from typing import Any
 
 from portlayer.capabilities.calibrate_timing import sig
 
-
 RATES = ("gbps", "tflops", "matmul")  # a leaf whose path names one of these is a rate: higher is better
 
 
