@@ -75,9 +75,29 @@ def measure_torch_nodes(dev: torch.device, sizes: Sizes, progress: Progress, bas
         _, ctx, _ = paged_case(1, 16, (1, 1, 8), torch.float32, dev)
         md, caches = ctx.attn_metadata, ctx.kv_cache
         step_us = measure_s(lambda: StepState.build(md, 1, dev, caches), dev, sizes, sizes.budget_s / 2) * 1e6
+        factor = _sequence_factor(dev, sizes, ref, StepState.build(None, SMALL[0], dev, None), get_op)
     progress.done(", ".join(f"{k} {v['us']:.3g}/{v['big_us']:.3g} us" for k, v in table.items())
-                  + f"; step state {step_us:.3g} us")
-    return {"torch_nodes": table, "torch_step_us": sig(step_us), **_linear_curves(dev, sizes, progress, _ref_linear(dev))}
+                  + f"; step state {step_us:.3g} us; called in sequence x{factor:.3g}")
+    return {"torch_nodes": table, "torch_step_us": sig(step_us), "torch_sequence_factor": sig(factor, 3),
+            **_linear_curves(dev, sizes, progress, _ref_linear(dev))}
+
+
+def _sequence_factor(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st: Any, get_op: Callable[..., Any]) -> float:
+    """How much more the one-token calls cost called one after another, as a program calls them, than each
+    repeated in a tight loop (where its code and data stay in the core's caches): time of the sequence over
+    the sum of the loops (>= 1). Every fixed host cost of the torch family is scaled by it."""
+    t, h = SMALL
+    w = torch.randn(h, h)
+    calls = [(op, ins, get_op(op).complete_attrs(a)) for op, (ins, a, _) in _cases(t, h).items()]
+    calls.append(("linear", [torch.randn(t, h), w, None], {}))
+    fns = [lambda op=op, ins=ins, a=a: ref(op, ins, a, st) for op, ins, a in calls]
+
+    def seq() -> None:
+        for fn in fns:
+            fn()
+
+    alone = sum(measure_s(fn, dev, sizes, sizes.budget_s / 4) for fn in fns)
+    return max(1.0, measure_s(seq, dev, sizes, sizes.budget_s) / alone)
 
 
 def _ref_linear(dev: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:

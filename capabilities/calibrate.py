@@ -216,7 +216,8 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "torch": vers["torch"],
         },  # fmt: skip
     }
-    for key in ("gemm_crossover", "tuning", "threads", "clock", "torch_nodes", "round_spread_pct"):
+    for key in ("gemm_crossover", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
+                "round_spread_pct"):
         if key in results:
             patch["calibration"][key] = results[key]
     sources["memory.bandwidth_gbps"] = f"{stamp}: device-to-device copy of {largest['bytes']} B, (read+write) bytes / time"

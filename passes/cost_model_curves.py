@@ -60,6 +60,7 @@ class Curves:
     torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
     torch_step_us: float = 0.0  # torch family: what run() pays once per step (the step state)
     threads: int | None = None  # torch threads the calibration ran with
+    host_factor: float = 1.0  # torch family: one-token calls in a program's sequence vs each in a tight loop
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -92,7 +93,7 @@ class Curves:
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
             torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
-            threads=cal.get("threads"),
+            threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -121,10 +122,11 @@ class Curves:
             e = sorted(self.torch_nodes.values(), key=lambda v: v["us"])[len(self.torch_nodes) // 2]
         lo, hi = self.memory_us(e["bytes"]), self.memory_us(e["big_bytes"])
         grow = max(0.0, e["big_us"] - e["us"])
+        fixed = e["us"] * self.host_factor
         if hi > lo:
-            return e["us"] + grow * max(0.0, self.memory_us(nbytes) - lo) / (hi - lo)
+            return fixed + grow * max(0.0, self.memory_us(nbytes) - lo) / (hi - lo)
         span = max(1.0, e["big_bytes"] - e["bytes"])
-        return e["us"] + grow * max(0.0, nbytes - e["bytes"]) / span
+        return fixed + grow * max(0.0, nbytes - e["bytes"]) / span
 
     def floor_us(self) -> float:
         return self.memory_us(1.0) if self.sweep else 0.0
@@ -145,7 +147,7 @@ class Curves:
         if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
             lo, k0 = _at(small, m), self.gemm_small_k
             per = max(0.0, (at - lo) / (self.gemm_k**2 - k0**2))
-            fixed = max(0.0, lo - per * k0**2)
+            fixed = max(0.0, lo - per * k0**2) * (self.host_factor if self.torch_nodes else 1.0)
             return max(fixed + per * k * n, floor)
         base = min(self.floor_us(), curve[0][1] * 0.5)
         return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
@@ -162,7 +164,7 @@ class Curves:
         if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
             return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute
         if torch_family and self.attention:
-            a = self.attention
-            return a["fixed_us"] + a["per_seq_us"] * batch + kv_bytes / (a["gbps"] * 1e3) + compute
+            a, f = self.attention, (self.host_factor if self.torch_nodes else 1.0)
+            return (a["fixed_us"] + a["per_seq_us"] * batch) * f + kv_bytes / (a["gbps"] * 1e3) + compute
         # the cache is read once per step: at the DRAM/HBM rate, not the cache-hot rate of a small sweep size
         return max(self.memory_us(kv_bytes), kv_bytes / (self.bandwidth_gbps * 1e3), compute)
