@@ -3,10 +3,11 @@
 A torch-family program calls each node's reference implementation through
 ``codegen/host_support.ref``; on a small model that call's fixed cost, not the bytes it moves, is
 most of a step, and it differs per op (a norm is five torch calls, an add one). So each common op
-is timed through that same call at one token (its fixed cost) and at a cache-resident size (what
-grows with its bytes), the linear op's decode GEMM curve is timed through it too (replacing the
-bare ``torch.mm`` curve), and one step of a one-node program gives the per-step cost of ``run``
-(state, feeds, output copies). The cost model reads them (passes/cost_model_curves.py).
+is timed through that same call at one token (its fixed cost: warm, and right after the caches were
+swept as a large GEMM sweeps them) and at a cache-resident size (what grows with its bytes); the
+same calls in one sequence give how much a program's mix costs over tight loops; the linear op's
+decode GEMM curve is timed through the call too (replacing the bare ``torch.mm`` curve), and the
+step state gives what ``run`` pays once per step. The cost model reads them (passes/cost_model_curves.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
 from portlayer.capabilities.descriptor import load_descriptor
 
+FLUSH_BYTES = 16 * 2**20  # streamed before each cold call: past the core's own caches, as a large GEMM's weights are
 SMALL = (1, 64)  # (tokens, hidden): the fixed cost of a call
 BIG = (256, 512)  # cache-resident: 512 KiB per fp32 activation, so the sweep's cache-hot rate applies
 TABLE_ROWS = 4096
@@ -71,15 +73,40 @@ def measure_torch_nodes(dev: torch.device, sizes: Sizes, progress: Progress, bas
                 outs = fn()
                 us = measure_s(fn, dev, sizes, sizes.budget_s / 2) * 1e6
                 table.setdefault(op, {}).update({f"{size_key}us": sig(us), f"{size_key}bytes": _bytes(ins, outs, tables)})
+                if not size_key:
+                    table[op]["cold_us"] = sig(_cold_s(fn, sizes) * 1e6)
         # what run() pays once per step whatever the model: the step state from a decode's paged metadata
         _, ctx, _ = paged_case(1, 16, (1, 1, 8), torch.float32, dev)
         md, caches = ctx.attn_metadata, ctx.kv_cache
         step_us = measure_s(lambda: StepState.build(md, 1, dev, caches), dev, sizes, sizes.budget_s / 2) * 1e6
         factor = _sequence_factor(dev, sizes, ref, StepState.build(None, SMALL[0], dev, None), get_op)
-    progress.done(", ".join(f"{k} {v['us']:.3g}/{v['big_us']:.3g} us" for k, v in table.items())
+    progress.done(", ".join(f"{k} {v['us']:.3g}/{v['big_us']:.3g} (cold {v['cold_us']:.3g}) us" for k, v in table.items())
                   + f"; step state {step_us:.3g} us; called in sequence x{factor:.3g}")
     return {"torch_nodes": table, "torch_step_us": sig(step_us), "torch_sequence_factor": sig(factor, 3),
             **_linear_curves(dev, sizes, progress, _ref_linear(dev))}
+
+
+def _cold_s(fn: Callable[[], Any], sizes: Sizes) -> float:
+    """Seconds per call when the caches were just swept (FLUSH_BYTES copied before each call, untimed): what a
+    small op costs right after a large GEMM or attention streamed its bytes, code and data evicted alike."""
+    import time
+
+    from portlayer.capabilities.calibrate_timing import host_clock, trimmed
+
+    src = torch.ones(FLUSH_BYTES // 8)
+    dst = torch.empty_like(src)
+    now = host_clock()[0]
+    reps = []
+    for _ in range(max(1, sizes.reps)):
+        total, n, t_end = 0.0, 0, time.perf_counter() + sizes.budget_s / max(1, sizes.reps)
+        while n < 3 or time.perf_counter() < t_end:
+            dst.copy_(src)
+            t0 = now()
+            fn()
+            total += now() - t0
+            n += 1
+        reps.append(total / n)
+    return trimmed(reps)
 
 
 def _sequence_factor(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st: Any, get_op: Callable[..., Any]) -> float:

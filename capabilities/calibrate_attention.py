@@ -52,10 +52,14 @@ def _reference_runner(heads: tuple[int, int, int]) -> Callable[[list[torch.Tenso
 
 
 def fit(points: list[dict[str, Any]]) -> dict[str, float]:
-    """Least-squares time_us = fixed_us + per_seq_us * batch + kv_bytes / (gbps * 1e3), terms kept >= 0."""
+    """Least-squares time_us = fixed_us + per_seq_us * batch + kv_bytes / (gbps * 1e3), terms kept >= 0.
+
+    In relative error (each row divided by its time): the points span 1000x in time, and in absolute
+    error the largest one's noise would set the fixed cost that decides every small step."""
+    w = torch.tensor([1.0 / max(p["us"], 1e-9) for p in points], dtype=torch.float64)[:, None]
     a = torch.tensor([[1.0, p["batch"], p["kv_bytes"]] for p in points], dtype=torch.float64)
     y = torch.tensor([p["us"] for p in points], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0].clamp(min=0).tolist()
+    coef = torch.linalg.lstsq(a * w, (y[:, None] * w)).solution[:, 0].clamp(min=0).tolist()
     if coef[2] <= 0:  # no bandwidth term resolved: attribute the largest point's time to its bytes
         big = max(points, key=lambda p: p["kv_bytes"])
         coef[2] = big["us"] / big["kv_bytes"]
