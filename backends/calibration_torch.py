@@ -79,10 +79,13 @@ def measure_torch_nodes(dev: torch.device, sizes: Sizes, progress: Progress, bas
         _, ctx, _ = paged_case(1, 16, (1, 1, 8), torch.float32, dev)
         md, caches = ctx.attn_metadata, ctx.kv_cache
         step_us = measure_s(lambda: StepState.build(md, 1, dev, caches), dev, sizes, sizes.budget_s / 2) * 1e6
-        factor = _sequence_factor(dev, sizes, ref, StepState.build(None, SMALL[0], dev, None), get_op)
+        seq_us, alone_us = _sequence_times(dev, sizes, ref, StepState.build(None, SMALL[0], dev, None), get_op)
+        factor = max(1.0, seq_us / alone_us)
     progress.done(", ".join(f"{k} {v['us']:.3g}/{v['big_us']:.3g} (cold {v['cold_us']:.3g}) us" for k, v in table.items())
                   + f"; step state {step_us:.3g} us; called in sequence x{factor:.3g}")
-    return {"torch_nodes": table, "torch_step_us": sig(step_us), "torch_sequence_factor": sig(factor, 3),
+    # both times, not their ratio: calibrate's rounds keep each time's best, then take the ratio of the two
+    return {"torch_nodes": table, "torch_step_us": sig(step_us),
+            "torch_sequence": {"sequence_us": sig(seq_us), "alone_us": sig(alone_us)},
             **_linear_curves(dev, sizes, progress, _ref_linear(dev))}
 
 
@@ -109,10 +112,11 @@ def _cold_s(fn: Callable[[], Any], sizes: Sizes) -> float:
     return trimmed(reps)
 
 
-def _sequence_factor(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st: Any, get_op: Callable[..., Any]) -> float:
-    """How much more the one-token calls cost called one after another, as a program calls them, than each
-    repeated in a tight loop (where its code and data stay in the core's caches): time of the sequence over
-    the sum of the loops (>= 1). Every fixed host cost of the torch family is scaled by it."""
+def _sequence_times(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st: Any,
+                    get_op: Callable[..., Any]) -> tuple[float, float]:
+    """Microseconds of the one-token calls one after another, as a program calls them, and the sum of each
+    repeated in a tight loop (where its code and data stay in the core's caches). Their ratio (>= 1) is the
+    sequence factor every warm fixed host cost of the torch family is scaled by."""
     t, h = SMALL
     w = torch.randn(h, h)
     calls = [(op, ins, get_op(op).complete_attrs(a)) for op, (ins, a, _) in _cases(t, h).items()]
@@ -124,7 +128,7 @@ def _sequence_factor(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], s
             fn()
 
     alone = sum(measure_s(fn, dev, sizes, sizes.budget_s / 4) for fn in fns)
-    return max(1.0, measure_s(seq, dev, sizes, sizes.budget_s) / alone)
+    return measure_s(seq, dev, sizes, sizes.budget_s) * 1e6, alone * 1e6
 
 
 def _ref_linear(dev: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:

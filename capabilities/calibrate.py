@@ -173,6 +173,9 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
         results["threads"], results["clock"] = n, ("CUDA events (device time)" if dev.type == "cuda" else host_clock()[1])
     if results.get("attention", {}).get("points"):  # the fit of the merged points, not the best of three fits
         results["attention"].update(fit(results["attention"]["points"]))
+    seq = results.pop("torch_sequence", None)
+    if seq and seq.get("alone_us"):  # the ratio of the merged times (a ratio's best round would be its lowest)
+        results["torch_sequence_factor"] = sig(max(1.0, seq["sequence_us"] / seq["alone_us"]), 3)
     if len(rounds) > 1:
         worst = sorted(spread_pct(rounds).items(), key=lambda kv: -kv[1])[:8]
         results["round_spread_pct"] = {k: sig(v, 3) for k, v in worst}
