@@ -20,7 +20,7 @@ import torch
 from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
 from portlayer.capabilities.descriptor import load_descriptor
 
-FLUSH_BYTES = 16 * 2**20  # streamed before each cold call: past the core's own caches, as a large GEMM's weights are
+FLUSH_BYTES = 8 * 2**20  # streamed before each cold call: past the core's own caches, as a large GEMM's weights are
 SMALL = (1, 64)  # (tokens, hidden): the fixed cost of a call
 BIG = (256, 512)  # cache-resident: 512 KiB per fp32 activation, so the sweep's cache-hot rate applies
 TABLE_ROWS = 4096
@@ -102,7 +102,7 @@ def _cold_s(fn: Callable[[], Any], sizes: Sizes) -> float:
     reps = []
     for _ in range(max(1, sizes.reps)):
         total, n, t_end = 0.0, 0, time.perf_counter() + sizes.budget_s / max(1, sizes.reps)
-        while n < 3 or time.perf_counter() < t_end:
+        while n < 1 or time.perf_counter() < t_end:
             dst.copy_(src)
             t0 = now()
             fn()
@@ -114,21 +114,45 @@ def _cold_s(fn: Callable[[], Any], sizes: Sizes) -> float:
 
 def _sequence_times(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st: Any,
                     get_op: Callable[..., Any]) -> tuple[float, float]:
-    """Microseconds of the one-token calls one after another, as a program calls them, and the sum of each
+    """Microseconds of one-token calls one after another, as a program calls them, and the sum of each
     repeated in a tight loop (where its code and data stay in the core's caches). Their ratio (>= 1) is the
-    sequence factor every warm fixed host cost of the torch family is scaled by."""
+    sequence factor every warm fixed host cost of the torch family is scaled by.
+
+    The order is a pre-norm decoder layer's (every architecture the compiler sees repeats one): norm, three
+    projections, two norms, two ropes, the batched attention over a paged cache, a projection, a residual
+    add, a norm, two projections, the activation, a product, a projection, a residual add."""
+    from types import SimpleNamespace
+
+    from portlayer.capabilities.calibrate_attention import paged_case
+    from portlayer.codegen.torch_attention import attention_batched
+
     t, h = SMALL
+    cases = _cases(t, h)
     w = torch.randn(h, h)
-    calls = [(op, ins, get_op(op).complete_attrs(a)) for op, (ins, a, _) in _cases(t, h).items()]
-    calls.append(("linear", [torch.randn(t, h), w, None], {}))
-    fns = [lambda op=op, ins=ins, a=a: ref(op, ins, a, st) for op, ins, a in calls]
+
+    def call(op: str) -> Callable[[], Any]:
+        if op == "linear":
+            ins, attrs = [torch.randn(t, h), w, None], {}
+        else:
+            ins, attrs, _ = cases[op]
+        full = get_op(op).complete_attrs(attrs)
+        return lambda: ref(op, ins, full, st)
+
+    heads = (4, 2, 16)
+    q_k_v, ctx, _ = paged_case(1, 128, heads, torch.float32, dev)
+    ast = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache)
+    attn = lambda: attention_batched(*q_k_v, ast, layer=0, scale=0.25, causal=True, sliding_window=None)  # noqa: E731
+    order = ["rms_norm", "linear", "linear", "linear", "rms_norm", "rms_norm", "rope", "rope", None, "linear", "add",
+             "rms_norm", "linear", "linear", "silu", "mul", "linear", "add"]  # fmt: skip
+    fns = [attn if op is None else call(op) for op in order]
 
     def seq() -> None:
         for fn in fns:
             fn()
 
-    alone = sum(measure_s(fn, dev, sizes, sizes.budget_s / 4) for fn in fns)
-    return measure_s(seq, dev, sizes, sizes.budget_s) * 1e6, alone * 1e6
+    alone = {op: measure_s(fn, dev, sizes, sizes.budget_s / 4) for op, fn in zip(order, fns)}
+    alone_total = sum(alone[op] for op in order)
+    return measure_s(seq, dev, sizes, sizes.budget_s) * 1e6, alone_total * 1e6
 
 
 def _ref_linear(dev: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:

@@ -148,14 +148,16 @@ def _captured(fn: Callable[[], Any], device: torch.device, iters: int) -> Callab
 
 
 def iters_for(fn: Callable[[], Any], device: torch.device, budget_s: float, cap: int) -> int:
-    """How many calls fit ``budget_s`` of wall time (the fastest of three timed calls decides; at least 1, at
-    most ``cap``). Wall time on purpose: the budget is the user's wait, whatever clock the timing then uses."""
-    first = float("inf")
+    """How many calls fit ``budget_s`` of wall time (the median of three timed calls decides, so neither the
+    first call's warm-up nor one lucky call does; at least 1, at most ``cap``). Wall time on purpose: the
+    budget is the user's wait, whatever clock the timing then uses."""
+    calls = []
     for _ in range(3):
         t0 = time.perf_counter()
         fn()
         sync(device)
-        first = min(first, time.perf_counter() - t0)
+        calls.append(time.perf_counter() - t0)
+    first = statistics.median(calls)
     return max(1, min(cap, int(budget_s / max(first, 1e-7))))
 
 

@@ -27,7 +27,7 @@ TINY = Sizes(copy_bytes=4 * 2**20, matmul_n=128, iters=2, warmup=1, launches=200
 
 @pytest.fixture(scope="module")
 def cpu_calibrated():
-    return calibrate("cpu", sizes=TINY)
+    return calibrate("cpu", sizes=TINY, threads=1)  # one thread: CPU time, no OpenMP waits on a loaded host
 
 
 def test_cpu_calibration_validates_and_says_calibrated(cpu_calibrated):
@@ -124,11 +124,13 @@ def test_quick_sizes_stay_small():
 
 def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, capsys):
     import portlayer.capabilities.calibrate as cal
+    from portlayer.capabilities.calibrate_timing import pinned_threads
     from portlayer.cli_capabilities import main
 
     monkeypatch.setattr(cal, "CPU_QUICK", TINY)
     out = tmp_path / "cpu.json"
-    assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(out)]) == 0
+    with pinned_threads(1):  # as OMP_NUM_THREADS=1 would: the CPU clock, and no OpenMP waits on a loaded host
+        assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(out)]) == 0
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("calibrate [")]
     assert any("bandwidth" in ln for ln in lines) and any("paged attention" in ln for ln in lines)
@@ -137,7 +139,7 @@ def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, 
     assert any("GEMM crossover" in ln and "not measured: cpu-x86_64 generates 'torch' code" in ln for ln in lines)
     assert load_descriptor(out).name == "cpu-x86_64-calibrated"
     cal = json.loads(out.read_text())["calibration"]
-    assert cal["mode"] == "quick" and cal["threads"] == torch.get_num_threads()
+    assert cal["mode"] == "quick" and cal["threads"] == 1 and cal["clock"].startswith("process CPU time")
     # the torch family's nodes, timed through the call its programs make, and its GEMM curve through the linear op
     assert any("linear via host_support.ref" in ln for ln in lines)
     nodes = cal["torch_nodes"]
