@@ -1,0 +1,132 @@
+"""Capture binds a checkpoint's weights as memory maps of its safetensors files (issue 20).
+
+transformers builds the model on the meta device and binds each tensor by name; a tensor whose
+name, dtype and shape match is the file's mapped tensor (no copy), converted ones (fused MoE
+experts) are copies, buffers are recomputed by the model's own init. The references are
+outside the code under test: transformers' own copying ``from_pretrained(dir)``, HF's eager
+forward, the kernel's /proc/self/maps and sha256 of the checkpoint files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from portlayer.flatten import capture, interpret
+
+capture_mod = importlib.import_module("portlayer.flatten.capture")  # the package exports the function
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    """A Qwen3-MoE checkpoint: save_pretrained writes one tensor per expert, the model holds them fused."""
+    cfg = T.Qwen3MoeConfig(vocab_size=128, max_position_embeddings=256, hidden_size=64, intermediate_size=96,
+                           moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2,
+                           num_key_value_heads=2, head_dim=16, num_experts=8, norm_topk_prob=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = T.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # routing away from ties, experts away from zero
+        for m in model.modules():
+            if getattr(m, "gate_up_proj", None) is not None and m.gate_up_proj.dim() == 3:
+                torch.nn.init.normal_(m.gate_up_proj, std=0.05)
+                torch.nn.init.normal_(m.down_proj, std=0.05)
+            if type(m).__name__.lower().endswith("router"):
+                torch.nn.init.normal_(m.weight, std=0.2)
+    d = tmp_path_factory.mktemp("moe") / "qwen3-moe"
+    model.save_pretrained(d, max_shard_size="150KB")  # sharded: the index names the files
+    return d
+
+
+def _dirs(tiny_dirs, moe_dir) -> dict[str, Path]:
+    return {"tiny-llama": tiny_dirs["tiny-llama"], "tiny-qwen3": tiny_dirs["tiny-qwen3"],
+            "tiny-bert": tiny_dirs["tiny-bert"], "qwen3-moe": moe_dir}
+
+
+def _mapped_ranges(files: list[Path]) -> list[tuple[int, int]]:
+    wanted = {str(f.resolve()) for f in files}
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] in wanted:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                assert "w" not in parts[1] or parts[1].endswith("p"), f"shared writable mapping: {line}"
+                out.append((lo, hi))
+    return out
+
+
+def _hf_reference(d: Path) -> torch.nn.Module:
+    cfg = T.AutoConfig.from_pretrained(d)
+    causal = any(a.endswith("ForCausalLM") for a in cfg.architectures or [])
+    cls = T.AutoModelForCausalLM if causal else T.AutoModel
+    return cls.from_pretrained(d, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-bert", "qwen3-moe"])
+def test_mapped_capture_equals_the_copying_load_and_hf(tiny_dirs, moe_dir, name):
+    d = _dirs(tiny_dirs, moe_dir)[name]
+    files = sorted(d.glob("*.safetensors"))
+    before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    g = capture(d)
+    binding = g.meta["weights_binding"]
+    assert binding["weights"] == "memory-mapped safetensors" and binding["mapped_tensors"] > 0
+
+    # weights: the same values as transformers' copying loader; each mapped one lies in a mapping of a checkpoint file
+    copied = capture(capture_mod.load_hf_model(d, mapped=False))
+    assert str(g) == str(copied), "the mapped capture's IR differs from the copying load's"
+    assert set(g.weights) == set(copied.weights)
+    ranges = _mapped_ranges(files)
+    in_file = 0
+    for w in g.weights:
+        t = g.weights[w]
+        assert not t.is_meta, w
+        assert t.dtype == copied.weights[w].dtype and torch.equal(t, copied.weights[w]), w
+        ptr = t.untyped_storage().data_ptr()
+        in_file += any(lo <= ptr < hi for lo, hi in ranges)
+    assert in_file >= binding["mapped_tensors"] - 1 > 0  # tied embeddings count once in the binding
+    if name == "qwen3-moe":  # fused experts are made by transformers' converter: copies, 2 per layer
+        assert binding["copied_tensors"] == 4
+
+    # outputs: the graph against HF's eager forward of the model transformers loaded itself
+    ref = _hf_reference(d)
+    ids = torch.randint(3, 100, (11,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ref(ids[None])
+    want = (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state)[0]
+    got = interpret(g, ids)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+    after = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    assert after == before, "the checkpoint changed under capture"
+
+
+def test_moe_artifact_generates_hf_tokens(moe_dir, tmp_path):
+    """The compiled CPU artifact of the mapped capture: HF's greedy tokens, validation passes."""
+    import portlayer
+
+    art = portlayer.compile(moe_dir, target="cpu-x86_64", output=tmp_path / "art", progress=False)
+    ref = _hf_reference(moe_dir)
+    ref.set_experts_implementation("eager")
+    prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    m = portlayer.load(art.path)
+    assert m.validate().ok
+    assert m.generate(prompt, max_tokens=6).token_ids == want
+
+
+def test_a_shard_missing_from_the_index_is_named(moe_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "broken"
+    shutil.copytree(moe_dir, d)
+    shard = sorted(d.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(capture_mod.CaptureError, match=shard.name):
+        capture(d)
