@@ -366,6 +366,7 @@ def capture(
     raise_patterns: bool = True,
     progress: Callable[[str], None] | None = None,
     verify: bool = True,
+    repeat_layers: bool = True,
 ) -> Graph:
     """Capture an HF model (an nn.Module or a local HF directory) as a Flat IR graph.
 
@@ -375,9 +376,10 @@ def capture(
     [num_seqs, hidden] for sentence-transformers directories.
 
     ``verify`` (default) runs flatten/selfcheck.py: the graph against the model's own
-    forward at lengths crossing its windows; a mismatch raises SelfCheckError.
+    forward at lengths crossing its windows; a mismatch raises SelfCheckError. With it on and
+    ``repeat_layers`` (default), a model whose layers are all the same program is exported with
+    three layers and the third repeated (flatten/layer_repeat.py; the self-check covers it).
     """
-    from portlayer.flatten.from_export import convert_exported_program
     from portlayer.flatten.patterns import raise_patterns as run_patterns
 
     say = progress or (lambda _msg: None)
@@ -406,7 +408,40 @@ def capture(
 
     facts = model_facts(module)
     max_tokens = int(facts.get("max_positions") or 4096)
-    say("exporting with torch.export")
+    from portlayer.flatten import layer_repeat
+
+    container = layer_repeat.uniform_layers(module) if (verify and raise_patterns and repeat_layers) else None
+    graph = None
+    if container:  # identical layers: export three, repeat the third (flatten/layer_repeat.py)
+        say(f"exporting {layer_repeat.KEEP} of {facts.get('num_layers')} identical layers with torch.export")
+        with layer_repeat.truncated(module, container):
+            short = _export_and_convert(module, max_tokens, say)
+        _annotate(short, module, facts, source)
+        say("raising patterns to portable ops")
+        graph = layer_repeat.repeat_layers(run_patterns(short), module, container)
+        if graph is None:
+            say("the layers' programs differ: exporting every layer")
+    if graph is None:
+        say("exporting with torch.export")
+        graph = _export_and_convert(module, max_tokens, say)
+        _annotate(graph, module, facts, source)
+        if raise_patterns:
+            say("raising patterns to portable ops")
+            graph = run_patterns(graph)
+    check_missing_weights(module, graph)
+    _verify(graph, module, verify, say)
+    if st_info is not None and st_info.pooling is not None:
+        from portlayer.flatten.pooling import append_pooling
+
+        graph = append_pooling(graph, st_info.pooling, st_info.normalize)
+        if st_info.max_seq_length:
+            graph.meta["max_seq_length"] = st_info.max_seq_length
+    return graph
+
+
+def _export_and_convert(module: torch.nn.Module, max_tokens: int, say: Callable[[str], None]) -> Graph:
+    from portlayer.flatten.from_export import convert_exported_program
+
     ep = export_token_stream(module, max_tokens=max(max_tokens, 8))
     if not any(getattr(m, "_portlayer_attention_seen", False) for m in module.modules()):
         raise CaptureError(
@@ -417,29 +452,21 @@ def capture(
             "OPT, GPT-2, BERT, RoBERTa, ..."
         )
     say("converting to the Flat IR")
-    graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
-    check_missing_weights(module, graph)
-    graph.meta.update(facts)
-    graph.meta.update(_kv_facts(graph))
+    return convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
+
+
+def _annotate(graph: Graph, module: torch.nn.Module, facts: dict[str, Any], source: str | None) -> None:
+    """Model-level facts in graph.meta (before the pattern rewrites, which read max_positions)."""
     from portlayer.flatten.task import task_of_model
 
+    graph.meta.update(facts)
+    graph.meta.update(_kv_facts(graph))
     graph.meta["task"] = task_of_model(module)
     graph.meta["token_symbol"] = TOKEN_SYMBOL
     if source:
         graph.meta["source"] = source
     if getattr(module, "_portlayer_binding", None):
         graph.meta["weights_binding"] = dict(module._portlayer_binding)
-    if raise_patterns:
-        say("raising patterns to portable ops")
-        graph = run_patterns(graph)
-    _verify(graph, module, verify, say)
-    if st_info is not None and st_info.pooling is not None:
-        from portlayer.flatten.pooling import append_pooling
-
-        graph = append_pooling(graph, st_info.pooling, st_info.normalize)
-        if st_info.max_seq_length:
-            graph.meta["max_seq_length"] = st_info.max_seq_length
-    return graph
 
 
 def _verify(graph: Graph, module: torch.nn.Module, verify: bool, say: Callable[[str], None]) -> None:

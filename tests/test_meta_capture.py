@@ -1,10 +1,12 @@
-"""Capture binds a checkpoint's weights as memory maps of its safetensors files (issue 20).
+"""Capture binds a checkpoint's weights as memory maps and exports identical layers once (issue 20).
 
 transformers builds the model on the meta device and binds each tensor by name; a tensor whose
 name, dtype and shape match is the file's mapped tensor (no copy), converted ones (fused MoE
 experts) are copies, buffers are recomputed by the model's own init. The references are
 outside the code under test: transformers' own copying ``from_pretrained(dir)``, HF's eager
-forward, the kernel's /proc/self/maps and sha256 of the checkpoint files.
+forward, the kernel's /proc/self/maps and sha256 of the checkpoint files. A model whose layers
+are all the same program is exported with three layers and the third repeated; its IR must equal
+the whole-model export's.
 """
 
 from __future__ import annotations
@@ -22,14 +24,7 @@ from portlayer.flatten import capture, interpret
 capture_mod = importlib.import_module("portlayer.flatten.capture")  # the package exports the function
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    """A Qwen3-MoE checkpoint: save_pretrained writes one tensor per expert, the model holds them fused."""
-    cfg = T.Qwen3MoeConfig(vocab_size=128, max_position_embeddings=256, hidden_size=64, intermediate_size=96,
-                           moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2,
-                           num_key_value_heads=2, head_dim=16, num_experts=8, norm_topk_prob=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = T.Qwen3MoeForCausalLM(cfg).eval()
+def _init_moe(model: torch.nn.Module) -> None:
     with torch.no_grad():  # routing away from ties, experts away from zero
         for m in model.modules():
             if getattr(m, "gate_up_proj", None) is not None and m.gate_up_proj.dim() == 3:
@@ -37,14 +32,33 @@ def moe_dir(tmp_path_factory) -> Path:
                 torch.nn.init.normal_(m.down_proj, std=0.05)
             if type(m).__name__.lower().endswith("router"):
                 torch.nn.init.normal_(m.weight, std=0.2)
-    d = tmp_path_factory.mktemp("moe") / "qwen3-moe"
-    model.save_pretrained(d, max_shard_size="150KB")  # sharded: the index names the files
-    return d
 
 
-def _dirs(tiny_dirs, moe_dir) -> dict[str, Path]:
-    return {"tiny-llama": tiny_dirs["tiny-llama"], "tiny-qwen3": tiny_dirs["tiny-qwen3"],
-            "tiny-bert": tiny_dirs["tiny-bert"], "qwen3-moe": moe_dir}
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=256)
+MODELS = {  # 4-5 layers: identical layers are exported once and repeated; qwen2-mixed has two layer kinds
+    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SMALL, num_hidden_layers=5, num_key_value_heads=2)),
+    "bert": lambda: T.BertModel(T.BertConfig(**SMALL, num_hidden_layers=4), add_pooling_layer=False),
+    "qwen3-moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, num_hidden_layers=4, num_experts_per_tok=2, num_key_value_heads=2,
+        head_dim=16, num_experts=8, norm_topk_prob=True)),
+    "qwen2-mixed": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
+        **SMALL, num_hidden_layers=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+        max_window_layers=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tiny_dirs) -> dict[str, Path]:
+    out = {"tiny-qwen3": tiny_dirs["tiny-qwen3"]}  # 2 layers: the whole model is exported
+    root = tmp_path_factory.mktemp("meta-capture")
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        _init_moe(model)
+        # sharded (the MoE): the index names the files; save_pretrained writes one tensor per expert
+        model.save_pretrained(root / name, max_shard_size="150KB" if name == "qwen3-moe" else "1GB")
+        out[name] = root / name
+    return out
 
 
 def _mapped_ranges(files: list[Path]) -> list[tuple[int, int]]:
@@ -67,30 +81,36 @@ def _hf_reference(d: Path) -> torch.nn.Module:
     return cls.from_pretrained(d, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-bert", "qwen3-moe"])
-def test_mapped_capture_equals_the_copying_load_and_hf(tiny_dirs, moe_dir, name):
-    d = _dirs(tiny_dirs, moe_dir)[name]
+@pytest.mark.parametrize("name", ["llama", "tiny-qwen3", "bert", "qwen3-moe", "qwen2-mixed"])
+def test_capture_equals_the_copying_whole_model_capture_and_hf(model_dirs, name):
+    """Mapped weights and repeated layers give today's IR (transformers' copying load, every layer
+    exported), the same weight values, and HF's outputs."""
+    d = model_dirs[name]
     files = sorted(d.glob("*.safetensors"))
     before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     g = capture(d)
     binding = g.meta["weights_binding"]
     assert binding["weights"] == "memory-mapped safetensors" and binding["mapped_tensors"] > 0
+    repeated = g.meta.get("layers_repeated")
+    if name in ("llama", "bert", "qwen3-moe"):
+        assert repeated and repeated["exported"] == 3 and repeated["layers"] == T.AutoConfig.from_pretrained(d).num_hidden_layers
+    else:  # two layers, or two kinds of layer (full and sliding attention): every layer exported
+        assert repeated is None
 
-    # weights: the same values as transformers' copying loader; each mapped one lies in a mapping of a checkpoint file
-    copied = capture(capture_mod.load_hf_model(d, mapped=False))
-    assert str(g) == str(copied), "the mapped capture's IR differs from the copying load's"
-    assert set(g.weights) == set(copied.weights)
+    whole = capture(capture_mod.load_hf_model(d, mapped=False), repeat_layers=False)
+    assert str(g) == str(whole), "the IR differs from the copying whole-model capture's"
+    assert set(g.weights) == set(whole.weights)
     ranges = _mapped_ranges(files)
     in_file = 0
     for w in g.weights:
         t = g.weights[w]
         assert not t.is_meta, w
-        assert t.dtype == copied.weights[w].dtype and torch.equal(t, copied.weights[w]), w
+        assert t.dtype == whole.weights[w].dtype and torch.equal(t, whole.weights[w]), w
         ptr = t.untyped_storage().data_ptr()
         in_file += any(lo <= ptr < hi for lo, hi in ranges)
     assert in_file >= binding["mapped_tensors"] - 1 > 0  # tied embeddings count once in the binding
     if name == "qwen3-moe":  # fused experts are made by transformers' converter: copies, 2 per layer
-        assert binding["copied_tensors"] == 4
+        assert binding["copied_tensors"] == 8
 
     # outputs: the graph against HF's eager forward of the model transformers loaded itself
     ref = _hf_reference(d)
@@ -104,7 +124,8 @@ def test_mapped_capture_equals_the_copying_load_and_hf(tiny_dirs, moe_dir, name)
     assert after == before, "the checkpoint changed under capture"
 
 
-def test_moe_artifact_generates_hf_tokens(moe_dir, tmp_path):
+def test_moe_artifact_generates_hf_tokens(model_dirs, tmp_path):
+    moe_dir = model_dirs["qwen3-moe"]
     """The compiled CPU artifact of the mapped capture: HF's greedy tokens, validation passes."""
     import portlayer
 
@@ -121,9 +142,10 @@ def test_moe_artifact_generates_hf_tokens(moe_dir, tmp_path):
     assert m.generate(prompt, max_tokens=6).token_ids == want
 
 
-def test_a_shard_missing_from_the_index_is_named(moe_dir, tmp_path):
+def test_a_shard_missing_from_the_index_is_named(model_dirs, tmp_path):
     import shutil
 
+    moe_dir = model_dirs["qwen3-moe"]
     d = tmp_path / "broken"
     shutil.copytree(moe_dir, d)
     shard = sorted(d.glob("*.safetensors"))[-1]
