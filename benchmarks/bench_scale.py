@@ -158,6 +158,9 @@ else:
             rep = m.validate(ex)
             out["validate"] = {{"ok": bool(rep.ok), "table": rep.format_table()}}
 out["seconds"] = round(time.perf_counter() - t0, 3)
+ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+out["cpu_s"] = round(sum(r.ru_utime + r.ru_stime for r in ru), 1)  # CPU time: steadier than wall on a shared host
+out["load_avg"] = os.getloadavg()[0]
 out["peak_rss"] = hwm()
 print("BENCH_SCALE " + json.dumps(out))
 """
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             row["compile"] = c
             if "error" not in c:
                 row["compile_s"] = c["seconds"]
+                row["compile_cpu_s"] = c.get("cpu_s")
                 row["peak_rss_compile_gib"] = gib(c["peak_rss"])
                 row["rss_over_weights"] = round(c["peak_rss"] / wbytes, 3)
                 row["bound_gib"] = gib(bound)

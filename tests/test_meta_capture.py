@@ -140,6 +140,13 @@ def test_moe_artifact_generates_hf_tokens(model_dirs, tmp_path):
     m = portlayer.load(art.path)
     assert m.validate().ok
     assert m.generate(prompt, max_tokens=6).token_ids == want
+    import json
+
+    from portlayer.runtime.artifact import MANIFEST
+
+    said = json.loads((art.path / MANIFEST).read_text())["capture"]  # the manifest says how capture read the model
+    assert said["weights_binding"]["weights"] == "memory-mapped safetensors"
+    assert said["layers_repeated"]["layers"] == 4 and said["self_check"].startswith("full model")
 
 
 def test_a_shard_missing_from_the_index_is_named(model_dirs, tmp_path):
