@@ -97,7 +97,7 @@ def test_capture_equals_the_copying_whole_model_capture_and_hf(model_dirs, name)
     else:  # two layers, or two kinds of layer (full and sliding attention): every layer exported
         assert repeated is None
 
-    whole = capture(capture_mod.load_hf_model(d, mapped=False), repeat_layers=False)
+    whole = capture(capture_mod.load_hf_model(d, mapped=False), repeat_layers=False, verify=False)  # the reference IR
     assert str(g) == str(whole), "the IR differs from the copying whole-model capture's"
     assert set(g.weights) == set(whole.weights)
     ranges = _mapped_ranges(files)
