@@ -142,12 +142,12 @@ def repeat_layers(graph: Graph, model: torch.nn.Module, container: str) -> Graph
                     inputs.append(names[(k - (KEEP - 1 - i), jj, o)])
                 elif v is not None and v in params and param_for(v, KEEP - 1, k) is not None:
                     p = param_for(v, KEEP - 1, k)
-                    t = state.get(p)
+                    t = _layer_tensor(state, graph, v, p)
                     if t is None or tuple(t.shape) != tuple(params[v].shape) or t.dtype != graph.weights[v].dtype:
                         return None  # a tensor the rewrites made per layer, or not the model's own
                     if p not in out.params:
                         out.params[p] = params[v]
-                        out.weights[p] = t.detach()
+                        out.weights[p] = t
                     inputs.append(p)
                 else:
                     inputs.append(v)
@@ -177,6 +177,17 @@ def repeat_layers(graph: Graph, model: torch.nn.Module, container: str) -> Graph
     out = rename_from_source(out)
     out.meta["layers_repeated"] = {"exported": KEEP, "layers": n, "container": container}
     return out
+
+
+def _layer_tensor(state: dict[str, torch.Tensor], graph: Graph, v: str, p: str) -> torch.Tensor | None:
+    """Layer k's tensor ``p`` for layer 2's parameter ``v``: the module's own, or (GPT-2's Conv1D,
+    stored transposed by the converter as ``<name>_t``) its transpose, checked on layer 2 first."""
+    if p in state:
+        return state[p].detach()
+    if p.endswith("_t") and p[:-2] in state and v[:-2] in state:
+        if torch.equal(graph.weights[v], state[v[:-2]].detach().t()):
+            return state[p[:-2]].detach().t().contiguous()
+    return None
 
 
 def _same_program(a: list[Node], b: list[Node], where: dict[str, tuple[int, int, int]], params: dict,

@@ -41,6 +41,7 @@ MODELS = {  # 4-5 layers: identical layers are exported once and repeated; qwen2
     "qwen3-moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
         **SMALL, moe_intermediate_size=32, num_hidden_layers=4, num_experts_per_tok=2, num_key_value_heads=2,
         head_dim=16, num_experts=8, norm_topk_prob=True)),
+    "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=256)),
     "qwen2-mixed": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
         **SMALL, num_hidden_layers=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
         max_window_layers=2)),
@@ -76,12 +77,12 @@ def _mapped_ranges(files: list[Path]) -> list[tuple[int, int]]:
 
 def _hf_reference(d: Path) -> torch.nn.Module:
     cfg = T.AutoConfig.from_pretrained(d)
-    causal = any(a.endswith("ForCausalLM") for a in cfg.architectures or [])
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.architectures or [])
     cls = T.AutoModelForCausalLM if causal else T.AutoModel
     return cls.from_pretrained(d, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("name", ["llama", "tiny-qwen3", "bert", "qwen3-moe", "qwen2-mixed"])
+@pytest.mark.parametrize("name", ["llama", "tiny-qwen3", "bert", "qwen3-moe", "gpt2", "qwen2-mixed"])
 def test_capture_equals_the_copying_whole_model_capture_and_hf(model_dirs, name):
     """Mapped weights and repeated layers give today's IR (transformers' copying load, every layer
     exported), the same weight values, and HF's outputs."""
@@ -92,7 +93,7 @@ def test_capture_equals_the_copying_whole_model_capture_and_hf(model_dirs, name)
     binding = g.meta["weights_binding"]
     assert binding["weights"] == "memory-mapped safetensors" and binding["mapped_tensors"] > 0
     repeated = g.meta.get("layers_repeated")
-    if name in ("llama", "bert", "qwen3-moe"):
+    if name in ("llama", "bert", "qwen3-moe", "gpt2"):  # gpt2: Conv1D weights stored transposed, tied head
         assert repeated and repeated["exported"] == 3 and repeated["layers"] == T.AutoConfig.from_pretrained(d).num_hidden_layers
     else:  # two layers, or two kinds of layer (full and sliding attention): every layer exported
         assert repeated is None
@@ -108,7 +109,8 @@ def test_capture_equals_the_copying_whole_model_capture_and_hf(model_dirs, name)
         assert t.dtype == whole.weights[w].dtype and torch.equal(t, whole.weights[w]), w
         ptr = t.untyped_storage().data_ptr()
         in_file += any(lo <= ptr < hi for lo, hi in ranges)
-    assert in_file >= binding["mapped_tensors"] - 1 > 0  # tied embeddings count once in the binding
+    transposed = sum(w.endswith("_t") for w in g.weights)  # GPT-2's Conv1D weights, stored transposed: copies
+    assert in_file >= binding["mapped_tensors"] - transposed - 1 > 0  # tied embeddings count once in the binding
     if name == "qwen3-moe":  # fused experts are made by transformers' converter: copies, 2 per layer
         assert binding["copied_tensors"] == 8
 
