@@ -40,7 +40,9 @@ class Binding:
 
 
 def checkpoint_files(p: Path) -> list[Path]:
-    """The safetensors files from_pretrained would read: the index's shards, else every *.safetensors."""
+    """The safetensors files from_pretrained would read: the index's shards, else model.safetensors
+    (other *.safetensors beside it, such as a GGUF source's native blocks, are not the model's);
+    empty when neither is there (transformers' own loader then decides)."""
     index = p / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -58,7 +60,8 @@ def checkpoint_files(p: Path) -> list[Path]:
             raise CaptureError(f"{index} lists shards that are not in {p}: {', '.join(missing[:5])}; "
                                "copy the missing files")
         return [p / n for n in names]
-    return sorted(p.glob("*.safetensors"))
+    single = p / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def mapped_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
