@@ -45,16 +45,17 @@ def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, width: int) -> torch.
     return starts[:, None] + torch.minimum(i, (lens[:, None] - 1).clamp(min=0))
 
 
-def step_layout(st: Any, *, causal: bool, sliding_window: int | None, paged: bool) -> StepLayout:
-    """The step's layout for these attention attributes (cached on ``st``: layers share it)."""
-    key = ("torch_attention_layout", causal, sliding_window, paged)
+def step_layout(st: Any, device: torch.device, *, causal: bool, sliding_window: int | None,
+                paged: bool) -> StepLayout:
+    """The step's layout for these attention attributes on ``device`` (cached on ``st``: layers share it)."""
+    key = ("torch_attention_layout", causal, sliding_window, paged, str(device))
     cache = st.__dict__.setdefault("_layouts", {}) if hasattr(st, "__dict__") else {}
     if key not in cache:
-        cache[key] = _build_layout(st, causal=causal, sliding_window=sliding_window, paged=paged)
+        cache[key] = _build_layout(st, device, causal=causal, sliding_window=sliding_window, paged=paged)
     return cache[key]
 
 
-def _build_layout(st: Any, *, causal: bool, sliding_window: int | None, paged: bool) -> StepLayout:
+def _build_layout(st: Any, dev: torch.device, *, causal: bool, sliding_window: int | None, paged: bool) -> StepLayout:
     meta = st.meta
     qsl = meta.query_start_loc.to("cpu", torch.int64)
     lq = qsl[1:] - qsl[:-1]
@@ -62,7 +63,6 @@ def _build_layout(st: Any, *, causal: bool, sliding_window: int | None, paged: b
     lq_max = int(lq.max()) if b else 0
     lens = meta.seq_lens.to("cpu", torch.int64) if paged else lq
     s_max = int(lens.max()) if b else 0
-    dev = st.device
     if not paged and b and bool((lq == lq_max).all()):
         if sliding_window:  # aligned positions 0..L-1 in every sequence: one [L, L] mask for all
             pos = torch.arange(lq_max, device=dev)
@@ -94,7 +94,7 @@ def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any
         k_cache, v_cache = caches[layer]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     paged = caches is not None and meta.block_tables is not None
-    lay = step_layout(st, causal=causal, sliding_window=sliding_window, paged=paged)
+    lay = step_layout(st, q.device, causal=causal, sliding_window=sliding_window, paged=paged)
     b, lq, s = lay.batch, lay.q_len, lay.kv_len
     if lay.dense:
         qp, kp, vp = (t.reshape(b, lq, *t.shape[1:]) for t in (q, k, v))
