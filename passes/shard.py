@@ -18,8 +18,11 @@ one artifact holds it once); only its weights differ per rank.
 - everything else (norms, residual adds, rope tables) is replicated. A row-parallel bias is kept
   on rank 0 only, so the sum adds it once.
 
-What cannot be sharded this way (heads not divisible by N, a fused QKV projection, MoE experts)
-is refused with the reason, never sharded silently wrong.
+- routed experts (``moe_experts``): split inside each expert, multi-head latent attention
+  (``mla_attention``): replicated; both in passes/shard_moe.py, which says why.
+
+What cannot be sharded this way (heads not divisible by N, a fused QKV projection, another
+gemm-kind op) is refused with the reason, never sharded silently wrong.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.ops import get_op
 from portlayer.passes.context import PassContext
+from portlayer.passes.shard_moe import expert_cut
 
 VOCAB_START = "tp_vocab_start"
 HEAD_LOCAL = ("reshape", "rope", "rms_norm", "layer_norm", "cast")
@@ -217,6 +221,39 @@ class _Sharder:
                 self.rule(p, _Rule("column", 0, rows))
         self.row_parallel(down, rows)
 
+    # ---- mixture of experts, latent attention (passes/shard_moe.py) -------------------------------
+    def experts(self, node: Node) -> None:
+        cut = expert_cut(node, self.g, self.n, self.rank)
+        if isinstance(cut, str):
+            self.fail(cut)
+        self.rule(node.inputs[3], _Rule("column", 1, cut.gate_up))
+        self.rule(node.inputs[4], _Rule("column", 2, cut.down))
+        node.attrs["intermediate_size"] = cut.per_rank
+        self.after.setdefault(node.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
+        self.done.add(node.name)
+
+    def replicate_mla(self, att: Node) -> None:
+        """Keep one latent attention whole on every rank: its projections (back to the nearest linears
+        on each input, forward to the output projection) are never cut by the MLP or vocabulary rules."""
+        stack, seen = [i for i in att.inputs if i is not None], set()
+        while stack:
+            v = stack.pop()
+            node = self.prod.get(v)
+            if v in seen or node is None:
+                continue
+            seen.add(v)
+            if get_op(node.op).kind == "gemm":
+                self.done.add(node.name)
+                continue
+            stack += [i for i in node.inputs if i is not None]
+        value = att.outputs[0].name
+        while len(self.users.get(value, [])) == 1:
+            node = self.users[value][0]
+            if get_op(node.op).kind == "gemm":
+                self.done.add(node.name)
+                break
+            value = node.outputs[0].name
+
     # ---- vocabulary ----------------------------------------------------------------------------
     def vocab_rows(self, vocab: int) -> tuple[int, list[int]]:
         per = -(-vocab // self.n)
@@ -286,14 +323,20 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         raise ShardError(f"rank {rank} is not in a tensor-parallel group of {n}")
     g = graph.copy()
     s = _Sharder(g, n, rank)
-    moe = [x.name for x in g.nodes if get_op(x.op).kind == "gemm" and x.op not in ("linear", "matmul", "linear_wq")]
-    if moe:
-        s.fail(f"ops {sorted({g.node(x).op for x in moe})} (expert parallelism) are not sharded yet")
+    other = [x.name for x in g.nodes if get_op(x.op).kind == "gemm"
+             and x.op not in ("linear", "matmul", "linear_wq", "moe_experts")]
+    if other:
+        s.fail(f"ops {sorted({g.node(x).op for x in other})} have no tensor-parallel rule")
     if any(x.op == "linear_wq" for x in g.nodes):
         s.fail("the model's weights are already block-quantized (linear_wq); shard a float model")
     atts = g.find("attention")
     for att in atts:
         s.attention(att)
+    mla = g.find("mla_attention")
+    for att in mla:
+        s.replicate_mla(att)
+    for moe in g.find("moe_experts"):
+        s.experts(moe)
     head = s.lm_head()
     if head is not None:
         s.shard_lm_head(head)
@@ -320,6 +363,7 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         "world_size": n,
         "collectives": dict(collectives or {}),
         "kv_heads_replicated": bool(atts) and full_kv < n,
+        "replicated": [f"{x.name} (mla_attention: every rank computes all heads)" for x in mla],
         "params": {p: r.kind if r.kind == "rank0" else f"{r.kind}:{r.dim}" for p, r in sorted(s.rules.items())},
         **vocab_info,
     }
