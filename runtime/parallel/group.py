@@ -169,6 +169,8 @@ class ProxyExecutable:
                 dist.destroy_process_group()
         except Exception:  # leaving a failed group
             pass
+        if "n" in _THREADS_BEFORE:
+            torch.set_num_threads(_THREADS_BEFORE.pop("n"))
 
 
 def _fail(message: str) -> None:
@@ -278,6 +280,21 @@ def _worker_main(path: str, rank: int, world: int, addr: str, port: int, options
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+_THREADS_BEFORE: dict[str, int] = {}  # the process's own thread count, restored when its group closes
+
+
+def share_cores(world: int) -> None:
+    """N ranks on one CPU: each rank's intra-op threads get its share of the cores (as vLLM's CPU workers
+    do), not all of them, which would oversubscribe the host N-fold. PORTLAYER_TP_THREADS overrides."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    want = os.environ.get("PORTLAYER_TP_THREADS")
+    _THREADS_BEFORE.setdefault("n", torch.get_num_threads())
+    torch.set_num_threads(int(want) if want and want.isdigit() and int(want) > 0 else max(1, cores // world))
 
 
 def start_workers(path: str, world: int, options: Mapping[str, Any]) -> tuple[list[Any], str, int]:

@@ -17,6 +17,7 @@ from portlayer.runtime.parallel.group import (
     Watchdog,
     init_group,
     launched_by_torchrun,
+    share_cores,
     start_workers,
     torch_backend,
     worker_loop,
@@ -38,6 +39,8 @@ def rank_executable(loaded: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
         dev.index, dev.torch_device = local, f"{dev.torch_device.split(':')[0]}:{local}"
         if dev.torch_device.startswith("cuda") and torch.cuda.is_available():
             torch.cuda.set_device(local)
+    if loaded.torch_device == "cpu":  # ranks on one host's CPU: their share of its cores each
+        share_cores(world)
     control = init_group(rank, world, torch_backend(loaded.descriptor) if not loaded.interpreted else "gloo")
     loaded.tp_rank = rank
     inner = loaded.executable()

@@ -1,0 +1,145 @@
+"""Tensor parallelism of mixture-of-experts decoders on the CPU over gloo (docs/parallel.md).
+
+The routed experts are split inside each expert (passes/shard_moe.py). References are
+independent of the code under test: the op's own semantics on the whole weights (the cut),
+HF ``generate`` and HF forward logits (the models), the single-rank artifact's logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_moe_archs import build  # the tiny MoE configs, routers initialised away from ties
+from test_tp_gloo import hf_greedy
+
+from portlayer.flatten.ir import Graph, Node, TensorType, Value
+from portlayer.flatten.op_defs.attention import AttentionMetadata
+from portlayer.flatten.op_defs.moe import moe_experts
+from portlayer.passes.shard import ShardError, _cut, _Rule
+from portlayer.passes.shard_moe import expert_cut
+
+CPU = "cpu-x86_64"
+PROMPT = [5, 17, 42, 99, 3, 120, 7]  # the tiny MoE models have 128 tokens
+
+
+def _experts_graph(e: int, inter: int, hidden: int, k: int, act: str = "silu") -> Graph:
+    g = Graph(params={"gu": TensorType("float32", (e, 2 * inter, hidden)),
+                      "dn": TensorType("float32", (e, hidden, inter))})
+    g.nodes = [Node("moe", "moe_experts", ["x", "ids", "w", "gu", "dn"], [Value("y", TensorType("float32", ("T", hidden)))],
+                    {"num_experts": e, "top_k": k, "intermediate_size": inter, "activation": act})]
+    return g
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_expert_cut_partials_sum_to_the_whole_op(n, act):
+    """5 experts (not divisible by 2, 3 or 4) of intermediate size 30 (padded at 4): the N ranks'
+    partial combines add up to the op on the whole weights."""
+    e, inter, hidden, k, t = 5, 30, 24, 2, 9
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(t, hidden, generator=gen)
+    gu, dn = torch.randn(e, 2 * inter, hidden, generator=gen) * 0.2, torch.randn(e, hidden, inter, generator=gen) * 0.2
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen)
+    whole = moe_experts(x, ids, w, gu, dn, num_experts=e, top_k=k, intermediate_size=inter, activation=act)
+    g = _experts_graph(e, inter, hidden, k, act)
+    parts = []
+    for rank in range(n):
+        cut = expert_cut(g.nodes[0], g, n, rank)
+        gu_r, dn_r = _cut(gu, _Rule("column", 1, cut.gate_up)), _cut(dn, _Rule("column", 2, cut.down))
+        assert gu_r.shape == (e, 2 * cut.per_rank, hidden) and dn_r.shape == (e, hidden, cut.per_rank)
+        parts.append(moe_experts(x, ids, w, gu_r, dn_r, num_experts=e, top_k=k, intermediate_size=cut.per_rank,
+                                 activation=act))
+    torch.testing.assert_close(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_activation_not_zero_at_zero_is_refused():
+    g = _experts_graph(4, 8, 8, 2, act="relu6-like")
+    assert "map 0 to 0" in expert_cut(g.nodes[0], g, 2, 0)
+    from portlayer.passes.shard import _Sharder
+
+    with pytest.raises(ShardError, match="moe.*map 0 to 0.*compile without --tensor-parallel"):
+        _Sharder(g, 2, 0).experts(g.nodes[0])
+
+
+@pytest.fixture(scope="module")
+def moe_arts(tmp_path_factory):
+    """name -> (HF model, eager; TP-2 artifact; TP-1 artifact or None)."""
+    import portlayer
+
+    root = tmp_path_factory.mktemp("tp-moe")
+    out = {}
+    for name, single in (("qwen3-moe", True), ("deepseek-v3", False)):
+        model = build(name)
+        model.save_pretrained(root / f"{name}-hf")
+        model.set_attn_implementation("eager")
+        model.set_experts_implementation("eager")
+        kw = dict(target=CPU, progress=False)
+        tp2 = portlayer.compile(root / f"{name}-hf", output=root / f"{name}-tp2", tensor_parallel=2, **kw).path
+        tp1 = portlayer.compile(root / f"{name}-hf", output=root / f"{name}-tp1", **kw).path if single else None
+        out[name] = (model, tp2, tp1)
+    return out
+
+
+def _logits(exe, ids: list[int]) -> torch.Tensor:
+    feeds = {"input_ids": torch.tensor(ids), "positions": torch.arange(len(ids)),
+             "logits_indices": torch.arange(len(ids))}
+    return exe.run({k: v for k, v in feeds.items() if k in exe.input_names}, AttentionMetadata.single(len(ids)),
+                   None)[0]
+
+
+def test_qwen3_moe_tp2_run_logits_and_chunked_preempted_batch(moe_arts, capsys, monkeypatch):
+    """Qwen3-MoE at TP 2: `portlayer run` starts rank 1 itself and its 24 greedy tokens equal HF generate;
+    the same group then gives the single-rank artifact's logits (<= 1e-5) and, with 8-token prefill
+    chunks in 5 KV blocks of 16, three batched prompts that are preempted still equal HF generate."""
+    from portlayer.cli import main
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.kv_cache import KVCacheSpec
+    from portlayer.runtime.loaded import open_artifact
+    from portlayer.runtime.sequence import SamplingParams
+
+    monkeypatch.setenv("PORTLAYER_TP_EXIT_ON_FAILURE", "0")  # the CLI's hard exit on a dead rank would end pytest
+    model, tp2, tp1 = moe_arts["qwen3-moe"]
+    graph = json.loads((tp2 / "graph.json").read_text())
+    moe = [n for n in graph["nodes"] if n["op"] == "moe_experts"]
+    assert moe and all(n["attrs"]["intermediate_size"] == 16 for n in moe)  # 32 per expert, half on each rank
+    assert main(["run", str(tp2), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == hf_greedy(model, PROMPT, 24)
+    one = open_artifact(tp1).executable()
+    eng = LLMEngine.from_artifact(tp2, block_size=16, prefill_chunk_size=8, max_batched_tokens=16,
+                                  kv_cache_budget_bytes=5 * KVCacheSpec.from_meta(
+                                      open_artifact(tp2).graph.meta, 16, torch.float32).bytes_per_block)
+    assert type(eng.executable).__name__ == "ProxyExecutable"  # the group `run` started, reused
+    for ids in (PROMPT, [127, 0, 64, 63, 1]):  # ids at both ends of each rank's vocabulary slice
+        torch.testing.assert_close(_logits(eng.executable, ids), _logits(one, ids), atol=1e-5, rtol=1e-5)
+    prompts = [PROMPT * 3, [9, 8, 7, 6, 5, 4], list(range(30, 50))]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert eng.stats["preemptions"] > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+    eng.executable.close()
+
+
+def test_deepseek_v3_tp2_mla_replicated_experts_sharded_match_hf(moe_arts):
+    """DeepSeek-V3's shape (MLA, first_k_dense_replace=1, shared experts, group-limited sigmoid routing) at
+    TP 2: the latent attention runs whole on each rank, the experts and MLPs are split; 24 greedy tokens
+    equal HF generate and the logits equal HF forward."""
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    model, tp2, _ = moe_arts["deepseek-v3"]
+    meta = json.loads((tp2 / "graph.json").read_text())["meta"]["tensor_parallel"]
+    assert len(meta["replicated"]) == 2 and all("mla_attention" in r for r in meta["replicated"])
+    assert meta["params"]["model_layers_1_mlp_experts_gate_up_proj"] == "column:1"
+    assert meta["params"]["model_layers_0_mlp_down_proj_weight"] == "column:1"  # the dense first layer
+    assert "model_layers_1_self_attn_o_proj_weight" not in meta["params"]
+    eng = LLMEngine.from_artifact(tp2)
+    out = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, PROMPT, 24)
+    ids = [5, 17, 42, 99, 3, 120, 7, 0, 127]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(eng.executable, ids), ref, atol=1e-4, rtol=1e-4)
+    eng.executable.close()
