@@ -143,3 +143,44 @@ def test_deepseek_v3_tp2_mla_replicated_experts_sharded_match_hf(moe_arts):
         ref = model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(eng.executable, ids), ref, atol=1e-4, rtol=1e-4)
     eng.executable.close()
+
+
+@pytest.mark.aot
+def test_triton_tp2_moe_program_lowers_and_compiles_for_sm90(moe_arts, tmp_path):
+    """The sharded GEMMs, the fused MoE kernels at the per-rank intermediate size and the collectives of an
+    H200 artifact (bf16, NCCL) at TP 2: collectives are host calls in place on planned buffers between
+    kernels, and the kernels tensor parallelism changes compile ahead of time for sm_90. The shipped
+    descriptor sends every GEMM to cuBLAS (its measured tuning); this copy asks for Triton GEMMs so that the
+    sharded shapes (K = 32 for the row-parallel o_proj) are generated too."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import portlayer
+    from portlayer.capabilities.descriptor import DEVICES_DIR
+
+    desc = json.loads((DEVICES_DIR / "nvidia-h200.json").read_text())
+    desc.update(name="nvidia-h200-triton-gemm", tuning={**desc.get("tuning", {}), "triton_gemm_max_tokens": 1 << 20})
+    (tmp_path / "d.json").write_text(json.dumps(desc))
+    hf = moe_arts["qwen3-moe"][1].parent / "qwen3-moe-hf"
+    art = portlayer.compile(hf, target=str(tmp_path / "d.json"), output=tmp_path / "h200-tp2", progress=False,
+                            tensor_parallel=2).path
+    host = (art / "host.py").read_text()
+    assert host.count("torch.distributed.all_reduce(") >= 3 and "all_gather" in host
+    assert "8 experts, top-2, 64 -> 2x16 -> 64" in host  # half of 32 per rank
+    doc = json.loads((art / "kernels.json").read_text())
+    kernels = {k: v for k, v in doc["kernels"].items() if v["family"] in ("gemm", "gemv", "pointwise", "fused_moe")}
+    assert {"gemm", "fused_moe"} <= {v["family"] for v in kernels.values()}
+    sub = tmp_path / "tp-kernels"
+    (sub / "kernels").mkdir(parents=True)
+    for v in kernels.values():
+        shutil.copyfile(art / "kernels" / f"{v['module']}.py", sub / "kernels" / f"{v['module']}.py")
+    (sub / "kernels.json").write_text(json.dumps({**doc, "kernels": kernels}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-m", "portlayer.codegen.aot", str(sub), "--target", "sm90"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    report = json.loads(proc.stdout or "[]")
+    assert report and not [r for r in report if not r["ok"]], proc.stderr[-2000:]
+    assert {r["kernel"] for r in report} == set(kernels)
