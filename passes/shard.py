@@ -37,6 +37,7 @@ from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.ops import get_op
 from portlayer.passes.context import PassContext
+from portlayer.passes.shard_mla import trace_heads
 from portlayer.passes.shard_moe import expert_cut
 
 VOCAB_START = "tp_vocab_start"
@@ -145,22 +146,31 @@ class _Sharder:
             for c in chain:
                 _rescale_shape(c, full, len(sel))
         att.attrs.update(num_heads=len(q_heads), num_kv_heads=len(kv_heads))
-        # forward: attention -> head-merging views -> the output projection (row-parallel)
-        node, value = att, att.outputs[0].name
-        vdim = self.types[att.outputs[0].name].shape[-1]
+        views, proj = self.output_projection(att)
+        if isinstance(proj, str):
+            self.fail(proj)
+        self.split_output(att, views, proj, heads, q_heads)
+
+    def output_projection(self, att: Node) -> tuple[list[Node], Node | str]:
+        """attention -> head-merging views -> the output projection, or why the path is not that."""
+        node, value, views = att, att.outputs[0].name, []
         while True:
             us = self.users.get(value, [])
             if len(us) != 1:
-                self.fail(f"the attention output {value} feeds {len(us)} ops; expected one output projection")
+                return views, f"the attention output {value} feeds {len(us)} ops; expected one output projection"
             node = us[0]
             if node.op == "linear":
-                break
+                return views, node
             if node.op not in ("reshape", "cast"):
-                self.fail(f"the attention output reaches {node.op} ({node.name}) before its output projection")
-            _rescale_shape(node, heads, len(q_heads), vdim)
+                return views, f"the attention output reaches {node.op} ({node.name}) before its output projection"
+            views.append(node)
             value = node.outputs[0].name
-        cols = [h * vdim + i for h in q_heads for i in range(vdim)]
-        self.row_parallel(node, cols)
+
+    def split_output(self, att: Node, views: list[Node], proj: Node, heads: int, q_heads: list[int]) -> None:
+        vdim = self.types[att.outputs[0].name].shape[-1]
+        for v in views:
+            _rescale_shape(v, heads, len(q_heads), vdim)
+        self.row_parallel(proj, [h * vdim + i for h in q_heads for i in range(vdim)])
 
     def row_parallel(self, lin: Node, cols: list[int]) -> None:
         self.rule(lin.inputs[1], _Rule("column", 1, cols))
@@ -231,6 +241,37 @@ class _Sharder:
         node.attrs["intermediate_size"] = cut.per_rank
         self.after.setdefault(node.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
         self.done.add(node.name)
+
+    def mla(self, att: Node) -> str | None:
+        """Split one latent attention by heads (passes/shard_mla.py); None when done, else why it cannot be
+        (the caller then keeps it replicated)."""
+        a = att.attrs
+        heads, dn, dv = int(a["num_heads"]), int(a["qk_nope_head_dim"]), int(a["v_head_dim"])
+        if heads % self.n:
+            return f"{heads} heads do not split over {self.n} ranks"
+        trace = trace_heads(att.inputs[0], heads, self.prod, self.types, self.g.params)
+        if isinstance(trace, str):
+            return trace
+        if att.inputs[3] not in self.g.params:
+            return f"w_kv_b {att.inputs[3]} is computed, not a parameter"
+        views, proj = self.output_projection(att)
+        if isinstance(proj, str):
+            return proj
+        per = heads // self.n
+        q_heads = list(range(self.rank * per, (self.rank + 1) * per))
+        lin, w = trace.projection, trace.width
+        rows = [h * w + i for h in q_heads for i in range(w)]
+        self.rule(lin.inputs[1], _Rule("column", 0, rows))
+        if len(lin.inputs) > 2 and lin.inputs[2] is not None:
+            self.rule(lin.inputs[2], _Rule("column", 0, rows))
+        self.done.add(lin.name)
+        for name, axis in trace.reshapes.items():
+            node = self.g.node(name)
+            node.attrs["shape"] = [per if i == axis else d for i, d in enumerate(node.attrs["shape"])]
+        self.rule(att.inputs[3], _Rule("column", 0, [h * (dn + dv) + i for h in q_heads for i in range(dn + dv)]))
+        a["num_heads"] = per
+        self.split_output(att, views, proj, heads, q_heads)
+        return None
 
     def replicate_mla(self, att: Node) -> None:
         """Keep one latent attention whole on every rank: its projections (back to the nearest linears
@@ -332,9 +373,12 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
     atts = g.find("attention")
     for att in atts:
         s.attention(att)
-    mla = g.find("mla_attention")
-    for att in mla:
-        s.replicate_mla(att)
+    replicated = []
+    for att in g.find("mla_attention"):
+        why = s.mla(att)
+        if why is not None:
+            s.replicate_mla(att)
+            replicated.append(f"{att.name} (mla_attention, every rank computes all heads: {why})")
     for moe in g.find("moe_experts"):
         s.experts(moe)
     head = s.lm_head()
@@ -363,7 +407,7 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         "world_size": n,
         "collectives": dict(collectives or {}),
         "kv_heads_replicated": bool(atts) and full_kv < n,
-        "replicated": [f"{x.name} (mla_attention: every rank computes all heads)" for x in mla],
+        "replicated": replicated,
         "params": {p: r.kind if r.kind == "rank0" else f"{r.kind}:{r.dim}" for p, r in sorted(s.rules.items())},
         **vocab_info,
     }

@@ -66,20 +66,21 @@ def test_an_activation_not_zero_at_zero_is_refused():
 
 @pytest.fixture(scope="module")
 def moe_arts(tmp_path_factory):
-    """name -> (HF model, eager; TP-2 artifact; TP-1 artifact or None)."""
+    """name -> (HF model, eager; captured graph; TP-2 artifact; TP-1 artifact or None), each captured once."""
     import portlayer
+    from portlayer.flatten import capture
 
     root = tmp_path_factory.mktemp("tp-moe")
     out = {}
     for name, single in (("qwen3-moe", True), ("deepseek-v3", False)):
         model = build(name)
-        model.save_pretrained(root / f"{name}-hf")
+        g = capture(model)
         model.set_attn_implementation("eager")
         model.set_experts_implementation("eager")
         kw = dict(target=CPU, progress=False)
-        tp2 = portlayer.compile(root / f"{name}-hf", output=root / f"{name}-tp2", tensor_parallel=2, **kw).path
-        tp1 = portlayer.compile(root / f"{name}-hf", output=root / f"{name}-tp1", **kw).path if single else None
-        out[name] = (model, tp2, tp1)
+        tp2 = portlayer.compile(g, output=root / f"{name}-tp2", tensor_parallel=2, **kw).path
+        tp1 = portlayer.compile(g, output=root / f"{name}-tp1", **kw).path if single else None
+        out[name] = (model, g, tp2, tp1)
     return out
 
 
@@ -101,7 +102,7 @@ def test_qwen3_moe_tp2_run_logits_and_chunked_preempted_batch(moe_arts, capsys, 
     from portlayer.runtime.sequence import SamplingParams
 
     monkeypatch.setenv("PORTLAYER_TP_EXIT_ON_FAILURE", "0")  # the CLI's hard exit on a dead rank would end pytest
-    model, tp2, tp1 = moe_arts["qwen3-moe"]
+    model, _, tp2, tp1 = moe_arts["qwen3-moe"]
     graph = json.loads((tp2 / "graph.json").read_text())
     moe = [n for n in graph["nodes"] if n["op"] == "moe_experts"]
     assert moe and all(n["attrs"]["intermediate_size"] == 16 for n in moe)  # 32 per expert, half on each rank
@@ -122,27 +123,58 @@ def test_qwen3_moe_tp2_run_logits_and_chunked_preempted_batch(moe_arts, capsys, 
     eng.executable.close()
 
 
-def test_deepseek_v3_tp2_mla_replicated_experts_sharded_match_hf(moe_arts):
+def test_deepseek_v3_tp2_mla_and_experts_sharded_match_hf(moe_arts):
     """DeepSeek-V3's shape (MLA, first_k_dense_replace=1, shared experts, group-limited sigmoid routing) at
-    TP 2: the latent attention runs whole on each rank, the experts and MLPs are split; 24 greedy tokens
-    equal HF generate and the logits equal HF forward."""
+    TP 2: the latent attention is split by heads (its latent cache replicated), the experts and MLPs are
+    split; 16 greedy tokens equal HF generate and the logits equal HF forward."""
+    from safetensors.torch import load_file
+
     from portlayer.runtime.engine import LLMEngine
     from portlayer.runtime.sequence import SamplingParams
 
-    model, tp2, _ = moe_arts["deepseek-v3"]
-    meta = json.loads((tp2 / "graph.json").read_text())["meta"]["tensor_parallel"]
-    assert len(meta["replicated"]) == 2 and all("mla_attention" in r for r in meta["replicated"])
+    model, _, tp2, _ = moe_arts["deepseek-v3"]
+    graph = json.loads((tp2 / "graph.json").read_text())
+    meta = graph["meta"]["tensor_parallel"]
+    assert meta["replicated"] == []
+    assert [n["attrs"]["num_heads"] for n in graph["nodes"] if n["op"] == "mla_attention"] == [2, 2]
+    hf = model.state_dict()
+    r1 = load_file(str(tp2 / "tp" / "rank1.safetensors"))
+    a = "model_layers_1_self_attn_"
+    torch.testing.assert_close(r1[a + "q_b_proj_weight"], hf["model.layers.1.self_attn.q_b_proj.weight"][2 * 24:])
+    torch.testing.assert_close(r1[a + "kv_b_proj_weight"], hf["model.layers.1.self_attn.kv_b_proj.weight"][2 * 32:])
+    torch.testing.assert_close(r1[a + "o_proj_weight"], hf["model.layers.1.self_attn.o_proj.weight"][:, 2 * 16:])
+    torch.testing.assert_close(r1[a + "kv_a_proj_with_mqa_weight"],  # the latent: whole on every rank
+                               hf["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
     assert meta["params"]["model_layers_1_mlp_experts_gate_up_proj"] == "column:1"
     assert meta["params"]["model_layers_0_mlp_down_proj_weight"] == "column:1"  # the dense first layer
-    assert "model_layers_1_self_attn_o_proj_weight" not in meta["params"]
     eng = LLMEngine.from_artifact(tp2)
-    out = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(model, PROMPT, 24)
+    out = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, PROMPT, 16)
     ids = [5, 17, 42, 99, 3, 120, 7, 0, 127]
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(eng.executable, ids), ref, atol=1e-4, rtol=1e-4)
     eng.executable.close()
+
+
+def test_mla_whose_query_mixes_heads_is_kept_whole(moe_arts):
+    """A query path the head tracer cannot prove head-local (here a softmax across the heads before the op)
+    keeps that latent attention replicated, with the reason, and leaves its projections whole."""
+    from portlayer.passes.shard import shard_graph
+
+    g = moe_arts["deepseek-v3"][1].copy()
+    att = g.find("mla_attention")[1]
+    q = att.inputs[0]
+    g.nodes.insert(g.nodes.index(att), Node("q_mix", "softmax", [q], [Value("q_mix", g.value_types()[q])],
+                                            {"dim": 1, "dtype": None}))
+    att.inputs[0] = "q_mix"
+    out = shard_graph(g, 2, 1, {"library": "gloo"})
+    meta = out.meta["tensor_parallel"]
+    assert len(meta["replicated"]) == 1 and "softmax q_mix" in meta["replicated"][0]
+    assert "model_layers_1_self_attn_q_b_proj_weight" not in meta["params"]
+    assert "model_layers_1_self_attn_o_proj_weight" not in meta["params"]
+    assert meta["params"]["model_layers_0_self_attn_q_b_proj_weight"] == "column:0"  # the other layer: split
+    assert [n.attrs["num_heads"] for n in out.find("mla_attention")] == [2, 4]
 
 
 @pytest.mark.aot
@@ -163,8 +195,7 @@ def test_triton_tp2_moe_program_lowers_and_compiles_for_sm90(moe_arts, tmp_path)
     desc = json.loads((DEVICES_DIR / "nvidia-h200.json").read_text())
     desc.update(name="nvidia-h200-triton-gemm", tuning={**desc.get("tuning", {}), "triton_gemm_max_tokens": 1 << 20})
     (tmp_path / "d.json").write_text(json.dumps(desc))
-    hf = moe_arts["qwen3-moe"][1].parent / "qwen3-moe-hf"
-    art = portlayer.compile(hf, target=str(tmp_path / "d.json"), output=tmp_path / "h200-tp2", progress=False,
+    art = portlayer.compile(moe_arts["qwen3-moe"][1], target=str(tmp_path / "d.json"), output=tmp_path / "h200-tp2", progress=False,
                             tensor_parallel=2).path
     host = (art / "host.py").read_text()
     assert host.count("torch.distributed.all_reduce(") >= 3 and "all_gather" in host

@@ -1,0 +1,126 @@
+"""shard, part 3: multi-head latent attention (``mla_attention``, DeepSeek-V2/V3) split by heads.
+
+Each rank keeps num_heads / N query heads: the query projection is column-parallel by heads, the
+rows of ``w_kv_b`` that expand the latent into those heads' keys and values follow, the output
+projection is row-parallel (``all_reduce`` after it, as for ordinary attention). The latent and
+its rotary key are one "head" shared by all query heads, so every rank computes and caches the
+same latent entries: the latent cache is replicated, as vLLM does for MLA under TP.
+
+The query reaches the op through data movement (DeepSeek reshapes q to heads, transposes, slices
+the rotary half, rotates it against the rope tables and concatenates it back). :func:`trace_heads`
+follows the head axis backwards through those ops to the projection, and checks each one keeps
+heads apart: reshape (the head-splitting one is rewritten; others may only regroup axes after
+the heads), transpose / permute (the axis
+moves), slice and concat along another axis, per-head norms and rope, and pointwise ops whose
+other operands broadcast along the head axis (size 1 there, like the rope tables). Anything else
+returns the reason, and the caller keeps that attention replicated (correct, not divided).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from portlayer.flatten.ir import Node, TensorType
+from portlayer.flatten.ops import get_op
+
+HEAD_KEEPING = ("rms_norm", "layer_norm", "cast", "rope", "contiguous", "clone")
+
+
+@dataclass
+class HeadTrace:
+    """What splitting one mla_attention by heads rewrites (nothing is changed until it all checks)."""
+
+    projection: Node  # the query projection, column-parallel by heads
+    width: int  # its output columns per head
+    reshapes: dict[str, int] = field(default_factory=dict)  # reshape node -> the axis of its shape that is heads
+    errors: list[str] = field(default_factory=list)
+
+
+def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str, TensorType],
+                params: Mapping[str, TensorType]) -> HeadTrace | str:
+    """Follow the head axis (axis 1 of q [T, H, d]) back to the query projection, or say why not."""
+    seen: dict[str, int] = {}
+    todo: list[tuple[str, int]] = [(q, 1)]
+    reshapes: dict[str, int] = {}
+    proj: list[tuple[Node, int]] = []
+    while todo:
+        v, axis = todo.pop()
+        if v in seen:
+            if seen[v] != axis:
+                return f"{v} is reached with heads on axes {seen[v]} and {axis}"
+            continue
+        seen[v] = axis
+        node = prod.get(v)
+        t = types[v]
+        if t.shape[axis] != heads:
+            return f"{v} {t} does not hold {heads} heads on axis {axis}"
+        if node is None:
+            return f"{v} is a graph input or parameter with heads on axis {axis}"
+        op = node.op
+        if op == "reshape":
+            src = types[node.inputs[0]]
+            out = list(t.shape)
+            shape = node.attrs.get("shape", [])
+            if list(src.shape[:axis + 1]) == out[:axis + 1]:  # only axes after the heads are merged or split
+                if len(shape) != t.rank or shape[axis] != heads:
+                    return f"reshape {node.name} to {shape} does not name the {heads} heads"
+                reshapes[node.name] = axis
+                todo.append((node.inputs[0], axis))
+                continue
+            if list(src.shape[:-1]) == out[:axis] and isinstance(src.shape[-1], int) and all(
+                    isinstance(d, int) for d in out[axis:]) and math.prod(out[axis:]) == src.shape[-1]:
+                if len(shape) != t.rank or shape[axis] != heads:
+                    return f"reshape {node.name} to {shape} does not name the {heads} heads"
+                reshapes[node.name] = axis  # [.., H*W] -> [.., H, ..]: the head-major split of a projection
+                lin = prod.get(node.inputs[0])
+                if lin is None or lin.op != "linear" or lin.inputs[1] not in params:
+                    return f"the head split {node.name} reads {lin.op if lin else 'an input'}, not a projection"
+                proj.append((lin, math.prod(out[axis + 1:])))
+                continue
+            return f"reshape {node.name} {list(src.shape)} -> {out} moves the head axis"
+        if op in ("transpose", "permute"):
+            rank = t.rank
+            if op == "transpose":
+                d0, d1 = int(node.attrs.get("dim0", 0)) % rank, int(node.attrs.get("dim1", 1)) % rank
+                perm = list(range(rank))
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+            else:
+                perm = [int(d) % rank for d in node.attrs["dims"]]
+            todo.append((node.inputs[0], perm[axis]))
+            continue
+        if op == "slice":
+            if int(node.attrs.get("dim", 0)) % t.rank == axis:
+                return f"slice {node.name} cuts the head axis"
+            todo.append((node.inputs[0], axis))
+            continue
+        if op == "concat":
+            if int(node.attrs.get("dim", 0)) % t.rank == axis:
+                return f"concat {node.name} joins along the head axis"
+            todo += [(i, axis) for i in node.inputs if i is not None]
+            continue
+        if op in HEAD_KEEPING:
+            if op.endswith("norm") and axis == t.rank - 1:
+                return f"{op} {node.name} normalises across heads"
+            todo.append((node.inputs[0], axis))
+            continue
+        if get_op(op).kind == "pointwise":
+            for i in node.inputs:
+                if i is None or i in params and types[i].rank == 0:
+                    continue
+                it = types[i]
+                k = axis - (t.rank - it.rank)  # numpy broadcasting aligns trailing axes
+                if k < 0 or it.shape[k] == 1:
+                    continue  # broadcast along heads: the same for every head (rope tables, scalars)
+                if it.shape[k] != t.shape[axis] or it.rank != t.rank:
+                    return f"{op} {node.name} mixes a [{', '.join(map(str, it.shape))}] operand into the heads"
+                todo.append((i, k))
+            continue
+        return f"{op} {node.name} on the query path is not known to keep heads apart"
+    if len({lin.name for lin, _ in proj}) != 1:
+        return f"the query comes from {len({lin.name for lin, _ in proj})} projections, expected one"
+    lin, width = proj[0]
+    if any(w != width for _, w in proj):
+        return "the query's head splits disagree on the head width"
+    return HeadTrace(lin, width, reshapes)
