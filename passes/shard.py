@@ -18,8 +18,9 @@ one artifact holds it once); only its weights differ per rank.
 - everything else (norms, residual adds, rope tables) is replicated. A row-parallel bias is kept
   on rank 0 only, so the sum adds it once.
 
-- routed experts (``moe_experts``): split inside each expert, multi-head latent attention
-  (``mla_attention``): replicated; both in passes/shard_moe.py, which says why.
+- routed experts (``moe_experts``): split inside each expert (passes/shard_moe.py, which says
+  why); multi-head latent attention (``mla_attention``): split by heads, its latent cache
+  replicated (passes/shard_mla.py), or kept whole when its query path cannot be proven head-local.
 
 What cannot be sharded this way (heads not divisible by N, a fused QKV projection, another
 gemm-kind op) is refused with the reason, never sharded silently wrong.

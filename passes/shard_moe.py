@@ -1,4 +1,4 @@
-"""shard, part 2: the routed experts (``moe_experts``) and multi-head latent attention under tensor parallelism.
+"""shard, part 2: the routed experts (``moe_experts``) under tensor parallelism.
 
 Experts are split *inside* each expert, the way vLLM shards fused MoE by default: every rank keeps
 all experts, each with 1/N of its intermediate size (the gate and the up rows of ``w_gate_up``
@@ -16,12 +16,6 @@ parallelism (a subset of experts per rank):
 
 The router (a replicated linear and the model's own selection ops) and shared experts (ordinary
 linears: the MLP rule makes them column / row parallel) need nothing here.
-
-``mla_attention`` (DeepSeek-V2/V3) is *replicated*: its query path mixes heads through data
-movement the head tracer does not follow yet, and one latent cache entry serves every head, so
-each rank computes all heads from the full weights and the output projection after it stays whole
-(no collective). The MoE layers, dense MLPs and the vocabulary are still sharded; the attention
-weights are not divided, which ``tensor_parallel.replicated`` in the graph's meta records.
 """
 
 from __future__ import annotations
@@ -62,7 +56,3 @@ def expert_cut(node: Node, graph: Graph, n: int, rank: int) -> ExpertCut | str:
     cols = [c if c < inter else -1 for c in range(rank * per, (rank + 1) * per)]
     rows = cols + [inter + c if c >= 0 else -1 for c in cols]
     return ExpertCut(rows, cols, per)
-
-
-def mla_nodes(graph: Graph) -> list[Node]:
-    return graph.find("mla_attention")
