@@ -29,7 +29,6 @@ gemm-kind op) is refused with the reason, never sharded silently wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,8 +37,9 @@ from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.ops import get_op
 from portlayer.passes.context import PassContext
-from portlayer.passes.shard_mla import trace_heads
+from portlayer.passes.shard_mla import keep_mla_whole, split_mla
 from portlayer.passes.shard_moe import expert_cut
+from portlayer.passes.shard_rewrite import Rule, cut, insert_after, reinfer
 
 VOCAB_START = "tp_vocab_start"
 HEAD_LOCAL = ("reshape", "rope", "rms_norm", "layer_norm", "cast")
@@ -72,22 +72,13 @@ def shard(graph: Graph, ctx: PassContext) -> Graph:
     return shard_graph(graph, n, int(ctx.options.get("tp_rank", 0)), dict(coll))
 
 
-@dataclass
-class _Rule:
-    """How one parameter is cut: ``index`` rows of ``dim`` (-1 entries: zero padding), or ``rank0``."""
-
-    kind: str
-    dim: int = 0
-    index: list[int] = field(default_factory=list)
-
-
 class _Sharder:
     def __init__(self, graph: Graph, n: int, rank: int) -> None:
         self.g, self.n, self.rank = graph, n, rank
         self.prod = graph.producers()
         self.users = graph.users()
         self.types = graph.value_types()
-        self.rules: dict[str, _Rule] = {}
+        self.rules: dict[str, Rule] = {}
         self.after: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # linear name -> collectives to append
         self.done: set[str] = set()
         m = graph.meta
@@ -97,7 +88,7 @@ class _Sharder:
         raise ShardError(f"tensor parallelism over {self.n} ranks: {why} (model {self.where}); "
                          "compile without --tensor-parallel, or pick a degree the model divides")
 
-    def rule(self, param: str | None, r: _Rule) -> None:
+    def rule(self, param: str | None, r: Rule) -> None:
         if param is None:
             return
         if param not in self.g.params:
@@ -140,9 +131,9 @@ class _Sharder:
             lin, chain = self.trace_projection(value, where)
             width = self.types[value].shape[-1] if self.types[value].rank == 3 else hd
             rows = [h * width + i for h in sel for i in range(width)]
-            self.rule(lin.inputs[1], _Rule("column", 0, rows))
+            self.rule(lin.inputs[1], Rule("column", 0, rows))
             if len(lin.inputs) > 2:
-                self.rule(lin.inputs[2], _Rule("column", 0, rows))
+                self.rule(lin.inputs[2], Rule("column", 0, rows))
             self.done.add(lin.name)
             for c in chain:
                 _rescale_shape(c, full, len(sel))
@@ -174,9 +165,9 @@ class _Sharder:
         self.row_parallel(proj, [h * vdim + i for h in q_heads for i in range(vdim)])
 
     def row_parallel(self, lin: Node, cols: list[int]) -> None:
-        self.rule(lin.inputs[1], _Rule("column", 1, cols))
+        self.rule(lin.inputs[1], Rule("column", 1, cols))
         if len(lin.inputs) > 2 and lin.inputs[2] is not None:
-            self.rule(lin.inputs[2], _Rule("rank0"))
+            self.rule(lin.inputs[2], Rule("rank0"))
         self.after.setdefault(lin.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
         self.done.add(lin.name)
 
@@ -223,78 +214,25 @@ class _Sharder:
         per = width // self.n
         rows = list(range(self.rank * per, (self.rank + 1) * per))
         for leaf in leaves:
-            self.rule(leaf.inputs[1], _Rule("column", 0, rows))
+            self.rule(leaf.inputs[1], Rule("column", 0, rows))
             if len(leaf.inputs) > 2 and leaf.inputs[2] is not None:
-                self.rule(leaf.inputs[2], _Rule("column", 0, rows))
+                self.rule(leaf.inputs[2], Rule("column", 0, rows))
             self.done.add(leaf.name)
         for p in params:
             if self.g.params[p].rank == 1 and self.g.params[p].shape[0] == width:
-                self.rule(p, _Rule("column", 0, rows))
+                self.rule(p, Rule("column", 0, rows))
         self.row_parallel(down, rows)
 
     # ---- mixture of experts, latent attention (passes/shard_moe.py) -------------------------------
     def experts(self, node: Node) -> None:
-        cut = expert_cut(node, self.g, self.n, self.rank)
-        if isinstance(cut, str):
-            self.fail(cut)
-        self.rule(node.inputs[3], _Rule("column", 1, cut.gate_up))
-        self.rule(node.inputs[4], _Rule("column", 2, cut.down))
-        node.attrs["intermediate_size"] = cut.per_rank
+        ec = expert_cut(node, self.g, self.n, self.rank)
+        if isinstance(ec, str):
+            self.fail(ec)
+        self.rule(node.inputs[3], Rule("column", 1, ec.gate_up))
+        self.rule(node.inputs[4], Rule("column", 2, ec.down))
+        node.attrs["intermediate_size"] = ec.per_rank
         self.after.setdefault(node.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
         self.done.add(node.name)
-
-    def mla(self, att: Node) -> str | None:
-        """Split one latent attention by heads (passes/shard_mla.py); None when done, else why it cannot be
-        (the caller then keeps it replicated)."""
-        a = att.attrs
-        heads, dn, dv = int(a["num_heads"]), int(a["qk_nope_head_dim"]), int(a["v_head_dim"])
-        if heads % self.n:
-            return f"{heads} heads do not split over {self.n} ranks"
-        trace = trace_heads(att.inputs[0], heads, self.prod, self.types, self.g.params)
-        if isinstance(trace, str):
-            return trace
-        if att.inputs[3] not in self.g.params:
-            return f"w_kv_b {att.inputs[3]} is computed, not a parameter"
-        views, proj = self.output_projection(att)
-        if isinstance(proj, str):
-            return proj
-        per = heads // self.n
-        q_heads = list(range(self.rank * per, (self.rank + 1) * per))
-        lin, w = trace.projection, trace.width
-        rows = [h * w + i for h in q_heads for i in range(w)]
-        self.rule(lin.inputs[1], _Rule("column", 0, rows))
-        if len(lin.inputs) > 2 and lin.inputs[2] is not None:
-            self.rule(lin.inputs[2], _Rule("column", 0, rows))
-        self.done.add(lin.name)
-        for name, axis in trace.reshapes.items():
-            node = self.g.node(name)
-            node.attrs["shape"] = [per if i == axis else d for i, d in enumerate(node.attrs["shape"])]
-        self.rule(att.inputs[3], _Rule("column", 0, [h * (dn + dv) + i for h in q_heads for i in range(dn + dv)]))
-        a["num_heads"] = per
-        self.split_output(att, views, proj, heads, q_heads)
-        return None
-
-    def replicate_mla(self, att: Node) -> None:
-        """Keep one latent attention whole on every rank: its projections (back to the nearest linears
-        on each input, forward to the output projection) are never cut by the MLP or vocabulary rules."""
-        stack, seen = [i for i in att.inputs if i is not None], set()
-        while stack:
-            v = stack.pop()
-            node = self.prod.get(v)
-            if v in seen or node is None:
-                continue
-            seen.add(v)
-            if get_op(node.op).kind == "gemm":
-                self.done.add(node.name)
-                continue
-            stack += [i for i in node.inputs if i is not None]
-        value = att.outputs[0].name
-        while len(self.users.get(value, [])) == 1:
-            node = self.users[value][0]
-            if get_op(node.op).kind == "gemm":
-                self.done.add(node.name)
-                break
-            value = node.outputs[0].name
 
     # ---- vocabulary ----------------------------------------------------------------------------
     def vocab_rows(self, vocab: int) -> tuple[int, list[int]]:
@@ -318,9 +256,9 @@ class _Sharder:
     def shard_lm_head(self, head: Node) -> None:
         vocab = int(self.g.params[head.inputs[1]].shape[0])
         per, rows = self.vocab_rows(vocab)
-        self.rule(head.inputs[1], _Rule("column", 0, rows))
+        self.rule(head.inputs[1], Rule("column", 0, rows))
         if len(head.inputs) > 2 and head.inputs[2] is not None:
-            self.rule(head.inputs[2], _Rule("column", 0, rows))
+            self.rule(head.inputs[2], Rule("column", 0, rows))
         todo = [("all_gather", {"dim": -1, "world_size": self.n})]
         if per * self.n != vocab:
             todo.append(("slice", {"dim": -1, "start": 0, "end": vocab, "step": 1}))
@@ -346,19 +284,6 @@ def _rescale_shape(node: Node, full: int, per: int, width: int | None = None) ->
     node.attrs["shape"] = shape
 
 
-def _cut(t: torch.Tensor, r: _Rule) -> torch.Tensor:
-    if r.kind == "rank0":
-        return t
-    idx = torch.tensor([max(i, 0) for i in r.index], dtype=torch.long)
-    out = t.index_select(r.dim, idx)
-    pad = torch.tensor([i < 0 for i in r.index])
-    if bool(pad.any()):
-        shape = [1] * out.dim()
-        shape[r.dim] = len(r.index)
-        out = out.masked_fill(pad.reshape(shape), 0)
-    return out.contiguous()
-
-
 def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] | None = None) -> Graph:
     """Rank ``rank`` of ``n``: the shared program, with this rank's weight shards in ``weights``."""
     if not 0 <= rank < n:
@@ -376,9 +301,9 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         s.attention(att)
     replicated = []
     for att in g.find("mla_attention"):
-        why = s.mla(att)
+        why = split_mla(s, att)
         if why is not None:
-            s.replicate_mla(att)
+            keep_mla_whole(s, att)
             replicated.append(f"{att.name} (mla_attention, every rank computes all heads: {why})")
     for moe in g.find("moe_experts"):
         s.experts(moe)
@@ -396,11 +321,11 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         if r.kind == "rank0":
             w = w if rank == 0 else torch.zeros_like(w)
         else:
-            w = _cut(w, r)
+            w = cut(w, r)
         g.weights[p] = w
         g.params[p] = TensorType(g.params[p].dtype, tuple(w.shape))
-    _insert_after(g, s.after)
-    _reinfer(g)
+    insert_after(g, s.after)
+    reinfer(g)
     meta_heads = {"num_heads": atts[0].attrs["num_heads"], "num_kv_heads": atts[0].attrs["num_kv_heads"]} if atts else {}
     full_kv = int(graph.meta.get("num_kv_heads") or 0)
     g.meta.update(meta_heads)
@@ -423,7 +348,7 @@ def _shard_embeddings(g: Graph, s: _Sharder, embs: list[Node]) -> dict[str, Any]
         w, ids = emb.inputs[0], emb.inputs[1]
         vocab = int(g.params[w].shape[0])
         per, rows = s.vocab_rows(vocab)
-        s.rule(w, _Rule("column", 0, rows))
+        s.rule(w, Rule("column", 0, rows))
         info = {"vocab_size": vocab, "vocab_per_rank": per}
         start = VOCAB_START if len(embs) == 1 else f"{VOCAB_START}_{emb.name}"  # each table its own slice offset
         if start not in g.params:
@@ -447,42 +372,10 @@ def _shard_embeddings(g: Graph, s: _Sharder, embs: list[Node]) -> dict[str, Any]
         ]
         for x in new + tail:
             x.meta = {"source": emb.meta.get("source", base), "why": f"vocab-parallel embedding over {s.n} ranks"}
-            x.outputs = [Value(x.name, TensorType("float32", ()))]  # typed by _reinfer
+            x.outputs = [Value(x.name, TensorType("float32", ()))]  # typed by reinfer
         emb.inputs = [w, f"{base}_tp_ids"]
         emb.outputs = [Value(f"{out}_tp_part", emb.outputs[0].type)]
         tail[-1].outputs = [Value(out, emb.outputs[0].type)]
         i = g.nodes.index(emb)
         g.nodes[i:i + 1] = new + [emb] + tail
     return info
-
-
-def _insert_after(g: Graph, after: Mapping[str, list[tuple[str, dict[str, Any]]]]) -> None:
-    """Each listed linear writes ``<out>_tp_part``; the collectives (and slice) after it produce the
-    original value name, so every consumer reads the combined result unchanged."""
-    for name, ops in after.items():
-        lin = g.node(name)
-        out = lin.outputs[0]
-        src = f"{out.name}_tp_part"
-        lin.outputs = [Value(src, out.type)]
-        chain = []
-        for k, (op, attrs) in enumerate(ops):
-            last = k == len(ops) - 1
-            value = out.name if last else f"{out.name}_tp_{op}"
-            chain.append(Node(f"{name}_tp_{op}", op, [src], [Value(value, out.type)], dict(attrs),
-                              {"source": lin.meta.get("source", name), "why": f"tensor parallel {op}"}))
-            src = value
-        i = g.nodes.index(lin)
-        g.nodes[i + 1:i + 1] = chain
-
-
-def _reinfer(g: Graph) -> None:
-    types: dict[str, TensorType] = {v.name: v.type for v in g.inputs}
-    types.update(g.params)
-    for node in g.nodes:
-        d = get_op(node.op)
-        attrs = d.complete_attrs(node.attrs)
-        ins = [types[i] if i is not None else None for i in node.inputs]
-        outs = d.infer(ins, attrs)
-        node.outputs = [Value(v.name, t) for v, t in zip(node.outputs, outs)]
-        for v in node.outputs:
-            types[v.name] = v.type

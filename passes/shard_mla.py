@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from portlayer.flatten.ir import Node, TensorType
 from portlayer.flatten.ops import get_op
+from portlayer.passes.shard_rewrite import Rule
 
 HEAD_KEEPING = ("rms_norm", "layer_norm", "cast", "rope", "contiguous", "clone")
 
@@ -124,3 +126,57 @@ def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str
     if any(w != width for _, w in proj):
         return "the query's head splits disagree on the head width"
     return HeadTrace(lin, width, reshapes)
+
+
+def split_mla(s: Any, att: Node) -> str | None:
+    """Split one latent attention by heads for the sharder ``s`` (passes/shard.py); None when done, else
+    why it cannot be, with nothing changed (the caller then keeps it whole)."""
+    a = att.attrs
+    heads, dn, dv = int(a["num_heads"]), int(a["qk_nope_head_dim"]), int(a["v_head_dim"])
+    if heads % s.n:
+        return f"{heads} heads do not split over {s.n} ranks"
+    trace = trace_heads(att.inputs[0], heads, s.prod, s.types, s.g.params)
+    if isinstance(trace, str):
+        return trace
+    if att.inputs[3] not in s.g.params:
+        return f"w_kv_b {att.inputs[3]} is computed, not a parameter"
+    views, proj = s.output_projection(att)
+    if isinstance(proj, str):
+        return proj
+    per = heads // s.n
+    q_heads = list(range(s.rank * per, (s.rank + 1) * per))
+    lin, w = trace.projection, trace.width
+    rows = [h * w + i for h in q_heads for i in range(w)]
+    s.rule(lin.inputs[1], Rule("column", 0, rows))
+    if len(lin.inputs) > 2 and lin.inputs[2] is not None:
+        s.rule(lin.inputs[2], Rule("column", 0, rows))
+    s.done.add(lin.name)
+    for name, axis in trace.reshapes.items():
+        node = s.g.node(name)
+        node.attrs["shape"] = [per if i == axis else d for i, d in enumerate(node.attrs["shape"])]
+    s.rule(att.inputs[3], Rule("column", 0, [h * (dn + dv) + i for h in q_heads for i in range(dn + dv)]))
+    a["num_heads"] = per
+    s.split_output(att, views, proj, heads, q_heads)
+    return None
+
+def keep_mla_whole(s: Any, att: Node) -> None:
+    """Keep one latent attention whole on every rank: its projections (back to the nearest linears
+    on each input, forward to the output projection) are never cut by the MLP or vocabulary rules."""
+    stack, seen = [i for i in att.inputs if i is not None], set()
+    while stack:
+        v = stack.pop()
+        node = s.prod.get(v)
+        if v in seen or node is None:
+            continue
+        seen.add(v)
+        if get_op(node.op).kind == "gemm":
+            s.done.add(node.name)
+            continue
+        stack += [i for i in node.inputs if i is not None]
+    value = att.outputs[0].name
+    while len(s.users.get(value, [])) == 1:
+        node = s.users[value][0]
+        if get_op(node.op).kind == "gemm":
+            s.done.add(node.name)
+            break
+        value = node.outputs[0].name

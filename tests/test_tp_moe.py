@@ -17,8 +17,9 @@ from test_tp_gloo import hf_greedy
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.flatten.op_defs.moe import moe_experts
-from portlayer.passes.shard import ShardError, _cut, _Rule
+from portlayer.passes.shard import ShardError
 from portlayer.passes.shard_moe import expert_cut
+from portlayer.passes.shard_rewrite import Rule, cut
 
 CPU = "cpu-x86_64"
 PROMPT = [5, 17, 42, 99, 3, 120, 7]  # the tiny MoE models have 128 tokens
@@ -47,10 +48,10 @@ def test_expert_cut_partials_sum_to_the_whole_op(n, act):
     g = _experts_graph(e, inter, hidden, k, act)
     parts = []
     for rank in range(n):
-        cut = expert_cut(g.nodes[0], g, n, rank)
-        gu_r, dn_r = _cut(gu, _Rule("column", 1, cut.gate_up)), _cut(dn, _Rule("column", 2, cut.down))
-        assert gu_r.shape == (e, 2 * cut.per_rank, hidden) and dn_r.shape == (e, hidden, cut.per_rank)
-        parts.append(moe_experts(x, ids, w, gu_r, dn_r, num_experts=e, top_k=k, intermediate_size=cut.per_rank,
+        ec = expert_cut(g.nodes[0], g, n, rank)
+        gu_r, dn_r = cut(gu, Rule("column", 1, ec.gate_up)), cut(dn, Rule("column", 2, ec.down))
+        assert gu_r.shape == (e, 2 * ec.per_rank, hidden) and dn_r.shape == (e, hidden, ec.per_rank)
+        parts.append(moe_experts(x, ids, w, gu_r, dn_r, num_experts=e, top_k=k, intermediate_size=ec.per_rank,
                                  activation=act))
     torch.testing.assert_close(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
 
