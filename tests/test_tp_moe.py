@@ -215,4 +215,4 @@ def test_triton_tp2_moe_program_lowers_and_compiles_for_sm90(moe_arts, tmp_path)
                           capture_output=True, text=True, env=env, timeout=600)
     report = json.loads(proc.stdout or "[]")
     assert report and not [r for r in report if not r["ok"]], proc.stderr[-2000:]
-    assert {r["kernel"] for r in report} == set(kernels)
+    assert {r["kernel"].partition(".v")[0] for r in report} == set(kernels)  # NAME.vI: its other launch configs
