@@ -47,6 +47,7 @@ def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str
     todo: list[tuple[str, int]] = [(q, 1)]
     reshapes: dict[str, int] = {}
     proj: list[tuple[Node, int]] = []
+    shared: list[tuple[str, str]] = []  # (operand, node): the same for every head, if it does not derive from them
     while todo:
         v, axis = todo.pop()
         if v in seen:
@@ -106,6 +107,7 @@ def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str
             if op.endswith("norm") and axis == t.rank - 1:
                 return f"{op} {node.name} normalises across heads"
             todo.append((node.inputs[0], axis))
+            shared += [(i, node.name) for i in node.inputs[1:] if i is not None]
             continue
         if get_op(op).kind == "pointwise":
             for i in node.inputs:
@@ -114,7 +116,8 @@ def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str
                 it = types[i]
                 k = axis - (t.rank - it.rank)  # numpy broadcasting aligns trailing axes
                 if k < 0 or it.shape[k] == 1:
-                    continue  # broadcast along heads: the same for every head (rope tables, scalars)
+                    shared.append((i, node.name))  # broadcast along heads (rope tables, scalars)
+                    continue
                 if it.shape[k] != t.shape[axis] or it.rank != t.rank:
                     return f"{op} {node.name} mixes a [{', '.join(map(str, it.shape))}] operand into the heads"
                 todo.append((i, k))
@@ -125,7 +128,30 @@ def trace_heads(q: str, heads: int, prod: Mapping[str, Node], types: Mapping[str
     lin, width = proj[0]
     if any(w != width for _, w in proj):
         return "the query's head splits disagree on the head width"
+    head_values = set(seen) | {lin.outputs[0].name}
+    clean: set[str] = set()
+    for operand, user in shared:
+        bad = _reaches(operand, head_values, prod, clean)
+        if bad:
+            return f"{user}'s operand {operand} is computed from the heads ({bad}), e.g. a reduction across them"
     return HeadTrace(lin, width, reshapes)
+
+
+def _reaches(value: str, targets: set[str], prod: Mapping[str, Node], clean: set[str]) -> str | None:
+    """A value of ``targets`` that ``value`` is computed from, else None (``clean`` memoises the misses)."""
+    stack, visited = [value], set()
+    while stack:
+        v = stack.pop()
+        if v in clean or v in visited:
+            continue
+        if v in targets:
+            return v
+        visited.add(v)
+        node = prod.get(v)
+        if node is not None:
+            stack += [i for i in node.inputs if i is not None]
+    clean.update(visited)
+    return None
 
 
 def split_mla(s: Any, att: Node) -> str | None:

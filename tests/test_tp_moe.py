@@ -158,20 +158,30 @@ def test_deepseek_v3_tp2_mla_and_experts_sharded_match_hf(moe_arts):
     eng.executable.close()
 
 
-def test_mla_whose_query_mixes_heads_is_kept_whole(moe_arts):
-    """A query path the head tracer cannot prove head-local (here a softmax across the heads before the op)
-    keeps that latent attention replicated, with the reason, and leaves its projections whole."""
+@pytest.mark.parametrize("mix", ["softmax", "minus_mean"])
+def test_mla_whose_query_mixes_heads_is_kept_whole(moe_arts, mix):
+    """A query path the head tracer cannot prove head-local keeps that latent attention whole on every rank,
+    with the reason, and leaves its projections uncut: a softmax across the heads before the op, or the
+    subtler q - mean(q over heads), whose broadcast operand looks like a rope table but derives from heads."""
     from portlayer.passes.shard import shard_graph
 
     g = moe_arts["deepseek-v3"][1].copy()
     att = g.find("mla_attention")[1]
     q = att.inputs[0]
-    g.nodes.insert(g.nodes.index(att), Node("q_mix", "softmax", [q], [Value("q_mix", g.value_types()[q])],
-                                            {"dim": 1, "dtype": None}))
+    t = g.value_types()[q]
+    if mix == "softmax":
+        new = [Node("q_mix", "softmax", [q], [Value("q_mix", t)], {"dim": 1, "dtype": None})]
+    else:
+        mean_t = TensorType(t.dtype, (t.shape[0], 1, t.shape[2]))
+        new = [Node("q_mean", "mean", [q], [Value("q_mean", mean_t)], {"dims": [1], "keepdim": True, "dtype": None}),
+               Node("q_mix", "sub", [q, "q_mean"], [Value("q_mix", t)], {"scalar": None, "reverse": False})]
+    i = g.nodes.index(att)
+    g.nodes[i:i] = new
     att.inputs[0] = "q_mix"
     out = shard_graph(g, 2, 1, {"library": "gloo"})
     meta = out.meta["tensor_parallel"]
-    assert len(meta["replicated"]) == 1 and "softmax q_mix" in meta["replicated"][0]
+    assert len(meta["replicated"]) == 1, meta["replicated"]
+    assert ("softmax q_mix" if mix == "softmax" else "computed from the heads") in meta["replicated"][0]
     assert "model_layers_1_self_attn_q_b_proj_weight" not in meta["params"]
     assert "model_layers_1_self_attn_o_proj_weight" not in meta["params"]
     assert meta["params"]["model_layers_0_self_attn_q_b_proj_weight"] == "column:0"  # the other layer: split
