@@ -274,7 +274,7 @@ def _worker_main(path: str, rank: int, world: int, addr: str, port: int, options
     from portlayer.runtime.loaded import open_artifact
     from portlayer.runtime.parallel.launch import rank_executable
 
-    loaded = open_artifact(path, interpret=bool(options.get("interpret")))
+    loaded = open_artifact(path, interpret=bool(options.get("interpret")), emulate=bool(options.get("emulate")))
     inner, control, device = rank_executable(loaded, rank, world)
     worker_loop(inner, control, device)
     import torch.distributed as dist
