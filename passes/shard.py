@@ -223,8 +223,9 @@ class _Sharder:
                 self.rule(p, Rule("column", 0, rows))
         self.row_parallel(down, rows)
 
-    # ---- mixture of experts, latent attention (passes/shard_moe.py) -------------------------------
+    # ---- mixture of experts (passes/shard_moe.py) ------------------------------------------------
     def experts(self, node: Node) -> None:
+        """Every expert keeps 1/N of its intermediate channels; the partial combines are summed after."""
         ec = expert_cut(node, self.g, self.n, self.rank)
         if isinstance(ec, str):
             self.fail(ec)
