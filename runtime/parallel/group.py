@@ -198,7 +198,12 @@ def worker_loop(inner: Any, control: Any, device: Any) -> None:
     layout: Any = None
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        try:
+            dist.broadcast_object_list(box, src=0, group=control)
+        except Exception as e:  # rank 0 is gone (stopped by a signal, or failed): its own exit says why
+            if not _is_comm_error(e):
+                raise
+            _leave_quietly(f"rank 0 left the group ({str(e).splitlines()[0][:160]})")
         kind, payload = box[0]
         if kind == "stop":
             return
@@ -207,7 +212,21 @@ def worker_loop(inner: Any, control: Any, device: Any) -> None:
             caches = None if want is None else [
                 tuple(torch.zeros(shape, dtype=getattr(torch, dt), device=device) for shape, dt in pair) for pair in want]
             layout = want
-        inner.run({k: v.to(device) for k, v in feeds.items()}, _to(meta, device), caches)
+        try:
+            inner.run({k: v.to(device) for k, v in feeds.items()}, _to(meta, device), caches)
+        except Exception as e:
+            if not _is_comm_error(e):
+                raise
+            _leave_quietly(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+
+
+def _leave_quietly(why: str) -> None:
+    """A worker whose group broke: one line, no traceback, exit 0 (the rank that failed reports the error)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    print(f"portlayer: tensor-parallel rank {rank} stops: {why}", file=sys.stderr, flush=True)
+    os._exit(0)
 
 
 # ---- launching ranks from a plain process ----------------------------------------------------------------
