@@ -231,7 +231,10 @@ def test_triton_tp2_moe_program_lowers_and_compiles_for_sm90(moe_arts, tmp_path)
     assert host.count("torch.distributed.all_reduce(") >= 3 and "all_gather" in host
     assert "8 experts, top-2, 64 -> 2x16 -> 64" in host  # half of 32 per rank
     doc = json.loads((art / "kernels.json").read_text())
-    kernels = {k: v for k, v in doc["kernels"].items() if v["family"] in ("gemm", "gemv", "pointwise", "fused_moe")}
+    # the families tensor parallelism changes; of a kernel's launch variants (the GEMM has ~20 tile configs,
+    # tests/test_binaries.py builds every one of them for single-device artifacts) the first two, for test time
+    kernels = {k: {**v, "variants": v.get("variants", [])[:2]} for k, v in doc["kernels"].items()
+               if v["family"] in ("gemm", "gemv", "pointwise", "fused_moe")}
     assert {"gemm", "fused_moe"} <= {v["family"] for v in kernels.values()}
     sub = tmp_path / "tp-kernels"
     (sub / "kernels").mkdir(parents=True)
