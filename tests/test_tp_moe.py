@@ -56,12 +56,12 @@ def test_expert_cut_partials_sum_to_the_whole_op(n, act):
     torch.testing.assert_close(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_an_activation_not_zero_at_zero_is_refused():
+def test_an_unknown_expert_activation_is_refused():
     g = _experts_graph(4, 8, 8, 2, act="relu6-like")
-    assert "map 0 to 0" in expert_cut(g.nodes[0], g, 2, 0)
+    assert "not one the op knows" in expert_cut(g.nodes[0], g, 2, 0)
     from portlayer.passes.shard import _Sharder
 
-    with pytest.raises(ShardError, match="moe.*map 0 to 0.*compile without --tensor-parallel"):
+    with pytest.raises(ShardError, match="moe.*not one the op knows.*compile without --tensor-parallel"):
         _Sharder(g, 2, 0).experts(g.nodes[0])
 
 
