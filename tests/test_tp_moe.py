@@ -73,7 +73,7 @@ def moe_arts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp-moe")
     out = {}
-    for name, single in (("qwen3-moe", True), ("deepseek-v3", False)):
+    for name, single in (("qwen3-moe", True), ("deepseek-v3", False), ("glm4-moe", False)):
         model = build(name)
         g = capture(model)
         model.set_attn_implementation("eager")
@@ -151,6 +151,28 @@ def test_deepseek_v3_tp2_mla_and_experts_sharded_match_hf(moe_arts):
     eng = LLMEngine.from_artifact(tp2)
     out = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(model, PROMPT, 16)
+    ids = [5, 17, 42, 99, 3, 120, 7, 0, 127]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(eng.executable, ids), ref, atol=1e-4, rtol=1e-4)
+    eng.executable.close()
+
+
+def test_glm4_moe_tp2_matches_hf(moe_arts):
+    """GLM-4-MoE's shape (partial rotary, a shared expert, first_k_dense_replace=1, group-limited routing)
+    at TP 2: the shared expert is column / row parallel like a dense MLP; 12 greedy tokens equal HF generate
+    and the logits equal HF forward."""
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    model, _, tp2, _ = moe_arts["glm4-moe"]
+    params = json.loads((tp2 / "graph.json").read_text())["meta"]["tensor_parallel"]["params"]
+    assert params["model_layers_1_mlp_shared_experts_gate_proj_weight"] == "column:0"
+    assert params["model_layers_1_mlp_shared_experts_down_proj_weight"] == "column:1"
+    assert params["model_layers_1_mlp_experts_down_proj"] == "column:2"
+    eng = LLMEngine.from_artifact(tp2)
+    out = eng.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, PROMPT, 12)
     ids = [5, 17, 42, 99, 3, 120, 7, 0, 127]
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
