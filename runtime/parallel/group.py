@@ -169,8 +169,7 @@ class ProxyExecutable:
                 dist.destroy_process_group()
         except Exception:  # leaving a failed group
             pass
-        if "n" in _THREADS_BEFORE:
-            torch.set_num_threads(_THREADS_BEFORE.pop("n"))
+        restore_threads()
 
 
 def _fail(message: str) -> None:
@@ -314,6 +313,12 @@ def share_cores(world: int) -> None:
     want = os.environ.get("PORTLAYER_TP_THREADS")
     _THREADS_BEFORE.setdefault("n", torch.get_num_threads())
     torch.set_num_threads(int(want) if want and want.isdigit() and int(want) > 0 else max(1, cores // world))
+
+
+def restore_threads() -> None:
+    """Give this process back the intra-op thread count it had before :func:`share_cores`."""
+    if "n" in _THREADS_BEFORE:
+        torch.set_num_threads(_THREADS_BEFORE.pop("n"))
 
 
 def start_workers(path: str, world: int, options: Mapping[str, Any]) -> tuple[list[Any], str, int]:

@@ -17,6 +17,7 @@ from portlayer.runtime.parallel.group import (
     Watchdog,
     init_group,
     launched_by_torchrun,
+    restore_threads,
     share_cores,
     start_workers,
     torch_backend,
@@ -81,6 +82,7 @@ def start_executable(loaded: Any) -> Any:
             inner, control, _ = rank_executable(loaded, 0, world)
         except Exception as e:  # the rendezvous failed: say which rank, not only what gloo saw
             time.sleep(0.5)
+            restore_threads()
             watchdog.handled = watchdog.stopping = True
             watchdog.join_workers(0.5)
             why = watchdog.failure or f"{type(e).__name__}: {str(e)[:300]}"
