@@ -1,6 +1,7 @@
 """Tensor parallelism of mixture-of-experts decoders on the CPU over gloo (docs/parallel.md).
 
-The routed experts are split inside each expert (passes/shard_moe.py). References are
+The routed experts are split inside each expert (passes/shard_moe.py), latent attention by heads
+(passes/shard_mla.py). References are
 independent of the code under test: the op's own semantics on the whole weights (the cut),
 HF ``generate`` and HF forward logits (the models), the single-rank artifact's logits.
 """
