@@ -16,22 +16,35 @@ import torch
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
-def group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(scale [N], offset [N] or None) for one group w [N, G], clip ratio chosen by squared error."""
+def group_params(w: torch.Tensor, bits: int, symmetric: bool,
+                 h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale [R], offset [R] or None) for groups w [R, G], the clip ratio chosen per group.
+
+    Without ``h`` the ratio has the least squared weight error. With ``h`` ([ng, G, G]: the input
+    Gram block of each of the ng groups of a row, rows of ``w`` ordered row-major over them) it has
+    the least output error ``dw h dw^T`` on the calibration inputs, and asymmetric groups shrink
+    their minimum and maximum independently (AWQ's clip search on the layer's real output)."""
     qmax = 2 ** (bits - 1) - 1
+    w = w.float()
+    pairs = [(r, r) for r in CLIP_RATIOS] if h is None or symmetric else [(a, b) for a in CLIP_RATIOS for b in CLIP_RATIOS]
     best = None
-    for r in CLIP_RATIOS:
+    for ra, rb in pairs:
         if symmetric:
-            s = (w.abs().amax(1) * r / qmax).clamp_min(1e-10)
+            s = (w.abs().amax(1) * ra / qmax).clamp_min(1e-10)
             off = None
             q = torch.round(w / s[:, None]).clamp(-qmax - 1, qmax)
-            err = ((q * s[:, None] - w) ** 2).sum(1)
+            d = q * s[:, None] - w
         else:
-            lo, hi = w.amin(1) * r, w.amax(1) * r
+            lo, hi = w.amin(1) * ra, w.amax(1) * rb
             s = ((hi - lo) / (2 * qmax + 1)).clamp_min(1e-10)
             off = lo + (qmax + 1) * s  # q = u - (qmax+1): w = s*u + lo = s*q + off
             q = torch.round((w - off[:, None]) / s[:, None]).clamp(-qmax - 1, qmax)
-            err = ((q * s[:, None] + off[:, None] - w) ** 2).sum(1)
+            d = q * s[:, None] + off[:, None] - w
+        if h is None:
+            err = (d ** 2).sum(1)
+        else:
+            dg = d.reshape(-1, h.shape[0], h.shape[1])
+            err = torch.einsum("rgi,gij,rgj->rg", dg, h, dg).reshape(-1)
         if best is None:
             best = [s, off, err]
         else:
@@ -43,12 +56,22 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Ten
     return best[0], best[1]
 
 
-def rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Round-to-nearest with the same per-group clip search, vectorized (GPTQ with H = I)."""
+def gram_blocks(gram: torch.Tensor, rows: int, group_size: int) -> torch.Tensor:
+    """[K/g, g, g] float32: the diagonal blocks of the input Gram matrix, one per group of columns."""
+    k = gram.shape[0]
+    ng = k // group_size
+    idx = torch.arange(k).reshape(ng, group_size)
+    return (gram[idx[:, :, None], idx[:, None, :]] / max(rows, 1)).float()
+
+
+def rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+        h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest with the same per-group clip search, vectorized (GPTQ with H = I);
+    ``h`` (gram_blocks) makes the search grade the output error on calibration inputs."""
     n, k = w.shape
     qmax = 2 ** (bits - 1) - 1
     wg = w.detach().float().reshape(n * (k // group_size), group_size)
-    s, off = group_params(wg, bits, symmetric)
+    s, off = group_params(wg, bits, symmetric, h)
     base = off[:, None] if off is not None else 0.0
     q = torch.round((wg - base) / s[:, None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(n, k)
     ng = k // group_size
