@@ -63,7 +63,8 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[tor
 
     sym = False if symmetric is None else symmetric
     if gram is not None:
-        q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, damp=damp, act_order=act_order)
+        q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, damp=damp, act_order=act_order,
+                         clip_output=clip_gram is not None)
     else:
         h = gram_blocks(clip_gram[0], clip_gram[1], group_size) if clip_gram is not None else None
         q, s, off = rtn(w, bits, group_size, sym, h)
@@ -144,7 +145,7 @@ def quantize(graph: Graph, ctx: PassContext) -> Graph:
     return dce(g)
 
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+METHODS = ("rtn", "clip", "gptq", "awq", "awq+gptq")
 
 
 CALIBRATION_TOKENS = 4096  # the built-in text's length cap: X^T X full rank for K = 1536 (docs/quantization.md)
@@ -159,6 +160,7 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
     act_order = bool(ctx.options.get("act_order", False))
     damp = float(ctx.options.get("gptq_damp", 0.01))
     sequential = bool(ctx.options.get("sequential", True))
+    device = torch.device(ctx.options.get("calibration_device") or "cpu")  # scripts/gpu_quality.py: cuda
     requested = ctx.options.get("group_size") or _plan_group(ctx, bits)
     mode = f"int{bits}"
     # linears reading the same activation (q/k/v, gate/up) share one Hessian: quantize them as one
@@ -186,14 +188,16 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
         from portlayer.passes.sequential import run_sequential
 
         seqs, how = token_sequences(g, CALIBRATION_TEXT, int(ctx.options.get("calibration_tokens", CALIBRATION_TOKENS)))
-        label = {"gptq": "GPTQ", "awq": "AWQ scales + round-to-nearest", "awq+gptq": "AWQ scales + GPTQ"}[method]
+        label = {"clip": "round-to-nearest", "gptq": "GPTQ", "awq": "AWQ scales + round-to-nearest",
+                 "awq+gptq": "AWQ scales + GPTQ"}[method]
         label += " (act-order)" if act_order and "gptq" in method else ""
+        label += ", output-error clip" if clip_output else ""
         label += ", sequential" if sequential else ""
         if sequential:  # each group calibrated on the outputs of the groups already quantized
-            run_sequential(g, seqs, list(shared.values()), on_group)
+            run_sequential(g, seqs, list(shared.values()), on_group, device)
         else:  # every group calibrated on the float model's activations
             grams: dict[int, torch.Tensor] = {}
-            run_sequential(g.copy(), seqs, list(shared.values()), lambda idx, x: grams.__setitem__(idx[0], x.clone()))
+            run_sequential(g.copy(), seqs, list(shared.values()), lambda idx, x: grams.__setitem__(idx[0], x.clone()), device)
             for idx in shared.values():
                 on_group(idx, grams.pop(idx[0]))
         how = f"{label} on {how}"
@@ -211,19 +215,28 @@ def _quantize_group(g: Graph, names: set[str], idx: list[int], gs: int, gram: tu
                     clip_output: bool) -> torch.Tensor | None:
     """Quantize the linears ``idx`` (one input, stacked) in place; with AWQ first scale their input
     channels (folded upstream). Returns the AWQ scales the input must be divided by, or None."""
+    dev = gram[0].device if gram is not None else torch.device("cpu")  # the calibration's device does the math
+    with _single_thread() if dev.type == "cpu" else contextlib.nullcontext():
+        return _quantize_group_on(g, names, idx, gs, gram, label, method, bits, sym, act_order, damp, clip_output, dev)
+
+
+def _quantize_group_on(g: Graph, names: set[str], idx: list[int], gs: int, gram: tuple[torch.Tensor, int] | None,
+                       label: str, method: str, bits: int, sym: bool, act_order: bool, damp: float,
+                       clip_output: bool, dev: torch.device) -> torch.Tensor | None:
     from portlayer.passes.awq import apply_scale, fold_target, search_scale
 
     s = None
     if gram is not None and "awq" in method and (where := fold_target(g, idx)) is not None:
-        w = torch.cat([g.weights[g.nodes[i].inputs[1]].float() for i in idx])
+        w = torch.cat([g.weights[g.nodes[i].inputs[1]].float() for i in idx]).to(dev)
         s, _alpha = search_scale(w, gram[0], gram[1], bits, gs, sym, clip_output)
-        apply_scale(g, idx, where, s)
+        apply_scale(g, idx, where, s.cpu())
         sd = s.double()
         gram = (gram[0] / sd[:, None] / sd[None, :], gram[1])
     ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
-    with _single_thread():
-        q, sc, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, gram if "gptq" in method else None,
-                                     sym, act_order, damp, gram if clip_output else None)
+    q, sc, off = quantize_weight(torch.cat([w.float() for w in ws]).to(dev), bits, gs,
+                                 gram if "gptq" in method else None, sym, act_order, damp,
+                                 gram if clip_output else None)
+    q, sc, off = q.cpu(), sc.cpu(), off.cpu() if off is not None else None
     row = 0
     for i, w in zip(idx, ws):
         r = slice(row, row + int(w.shape[0]))
@@ -236,8 +249,8 @@ def _quantize_group(g: Graph, names: set[str], idx: list[int], gs: int, gram: tu
 
 @contextlib.contextmanager
 def _single_thread() -> Iterator[None]:
-    """GPTQ's column sweep is many small ops: one intra-op thread avoids oversubscription, which
-    on a busy 2-core host made it 15x slower."""
+    """GPTQ's column sweep and the clip searches are many small ops: one intra-op thread avoids
+    oversubscription, which on a busy 2-core host made them 15x slower."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -23,19 +23,21 @@ from portlayer.flatten.ops import get_op
 OnGroup = Callable[[list[int], torch.Tensor], "torch.Tensor | None"]
 
 
-def run_sequential(graph: Graph, seqs: Sequence[torch.Tensor], groups: Sequence[list[int]], on_group: OnGroup) -> None:
+def run_sequential(graph: Graph, seqs: Sequence[torch.Tensor], groups: Sequence[list[int]], on_group: OnGroup,
+                   device: torch.device | str = "cpu") -> None:
     """Run ``graph`` on ``seqs`` (token id tensors, one sequence each) and call ``on_group(idx, x)``
     with the [tokens, K] input of each group ``idx`` (node indices reading one value) before the
-    group runs. Stops after the last group's nodes (the LM head is not run)."""
+    group runs, on ``device``. Stops after the last group's nodes (the LM head is not run)."""
     from portlayer.flatten.interpret import ExecContext, bind_symbols
 
     names = {v.name for v in graph.inputs}
     if not {"input_ids", "positions"} <= names:
         raise ValueError(f"calibration runs token-stream graphs; this one takes {sorted(names)}")
-    ids = torch.cat([s.long() for s in seqs])
-    feeds = {"input_ids": ids, "positions": torch.cat([torch.arange(int(s.shape[0])) for s in seqs])}
-    feeds.update({v.name: torch.arange(ids.shape[0]) for v in graph.inputs if v.name == "logits_indices"})
-    ctx = ExecContext(attn_metadata=AttentionMetadata.from_lens([int(s.shape[0]) for s in seqs]))
+    ids = torch.cat([s.long() for s in seqs]).to(device)
+    feeds = {"input_ids": ids, "positions": torch.cat([torch.arange(int(s.shape[0])) for s in seqs]).to(device)}
+    feeds.update({v.name: torch.arange(ids.shape[0], device=device) for v in graph.inputs if v.name == "logits_indices"})
+    ctx = ExecContext(attn_metadata=AttentionMetadata.from_lens([int(s.shape[0]) for s in seqs], device=device),
+                      device=device)
     ctx.bindings = bind_symbols(graph, {k: v for k, v in feeds.items() if k in names})
     ctx.bindings.setdefault("num_seqs", len(seqs))
     first = {min(idx): list(idx) for idx in groups}
@@ -51,7 +53,7 @@ def run_sequential(graph: Graph, seqs: Sequence[torch.Tensor], groups: Sequence[
                 if new is not None:
                     env[src] = new.reshape(x.shape).to(x.dtype)
             n = graph.nodes[i]  # read after on_group: it may have become linear_wq
-            args = [None if x is None else env[x] if x in env else _param(graph, x) for x in n.inputs]
+            args = [None if x is None else env[x] if x in env else _param(graph, x, device) for x in n.inputs]
             for v, t in zip(n.outputs, get_op(n.op).reference(args, n.attrs, ctx)):
                 env[v.name] = t
             for x in n.inputs:
@@ -59,6 +61,6 @@ def run_sequential(graph: Graph, seqs: Sequence[torch.Tensor], groups: Sequence[
                     env.pop(x, None)
 
 
-def _param(graph: Graph, name: str) -> torch.Tensor:
-    w = graph.weights[name]
+def _param(graph: Graph, name: str, device: torch.device | str) -> torch.Tensor:
+    w = graph.weights[name].to(device)
     return w.float() if w.is_floating_point() else w
