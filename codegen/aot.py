@@ -106,7 +106,7 @@ def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> lis
 
     info = json.loads((artifact / "kernels.json").read_text())["kernels"]
     report = []
-    for name, k in sorted(info.items()):
+    for name, k in sorted(x for n, base in sorted(info.items()) for x in launches(n, base)):
         mod = _module(artifact / "kernels" / f"{k['module']}.py")
         fn = getattr(mod, k["fn"])
         sig = dict(k["signature"])
@@ -169,11 +169,18 @@ def _toolchain(backend: str, arch: Any) -> dict[str, Any]:
         tool = get_ptxas(int(arch))
         text = subprocess.run([tool.path, "--version"], capture_output=True, text=True).stdout
         tc.update(ptxas=text.strip().splitlines()[-1] if text.strip() else "?", ptxas_version=tool.version,
-                  ptx_version=LEGACY_PTX_VERSION if int(arch) < 100 else None,
+                  ptx_version=_ptx_version(int(arch)) if int(arch) < 100 else None,
                   cuda_driver_min=CUDA_DRIVER_MIN if int(arch) < 100 else tool.version.rsplit(".", 1)[0])
     elif backend == "hip":
         tc.update(linker="triton's in-process amd.link_hsaco (no ROCm install)")
     return tc
+
+
+def _ptx_version(arch: int) -> int:
+    """LEGACY_PTX_VERSION, or lower when the ptxas at hand is older (Triton 3.6 bundles CUDA 12.8: PTX 8.7)."""
+    from triton.backends.nvidia.compiler import get_ptxas, ptx_get_version
+
+    return min(LEGACY_PTX_VERSION, ptx_get_version(get_ptxas(arch).version))
 
 
 def _prefer_legacy_ptxas(arch: int) -> None:
@@ -182,6 +189,26 @@ def _prefer_legacy_ptxas(arch: int) -> None:
         from triton import knobs
 
         os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = knobs.nvidia.ptxas.path
+
+
+def launches(name: str, k: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(binary name, kernel record) per launch configuration of one kernels.json entry: the kernel itself,
+    then ``NAME.vI`` for each variant (the same module compiled with other constexprs / warps)."""
+    base = {a: b for a, b in k.items() if a != "variants"}
+    return [(name, base)] + [(f"{name}.v{i}", {**base, **v}) for i, v in enumerate(k.get("variants", ()), 1)]
+
+
+def _with_variants(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """binaries.json's kernels: one record per kernel; its other launch configurations under ``variants``."""
+    out: dict[str, Any] = {}
+    for r in records:
+        name = r.pop("kernel")
+        base, _, _ = name.partition(".v")
+        if base == name:
+            out[name] = r
+        else:
+            out[base].setdefault("variants", []).append(r)
+    return out
 
 
 def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> dict[str, Any]:
@@ -198,7 +225,7 @@ def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> 
     if backend == "cuda":
         _prefer_legacy_ptxas(int(arch))
         if int(arch) < 100:
-            opts["ptx_version"] = LEGACY_PTX_VERSION
+            opts["ptx_version"] = _ptx_version(int(arch))
     mod = _module(art / "kernels" / f"{k['module']}.py")
     src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=dict(k["signature"]),
                                     constexprs=dict(k["constexprs"]))
@@ -230,7 +257,7 @@ def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | Non
     info = json.loads((artifact / "kernels.json").read_text())["kernels"]
     (artifact / BINARIES_DIR).mkdir(exist_ok=True)
     backend, arch, warp = target
-    work = [(str(artifact), name, k, target) for name, k in sorted(info.items())]
+    work = [(str(artifact), vname, v, target) for name, k in sorted(info.items()) for vname, v in launches(name, k)]
     n = max(1, min(jobs or os.cpu_count() or 1, len(work), 16))
     t0 = time.time()
     if n == 1:
@@ -241,7 +268,7 @@ def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | Non
     index = {"format": "portlayer-binaries/1", "kind": BINARY[backend],
              "target": {"backend": backend, "arch": arch, "warp_size": warp},
              "toolchain": _toolchain(backend, arch), "jobs": n, "seconds": round(time.time() - t0, 3),
-             "kernels": {r.pop("kernel"): r for r in records}}
+             "kernels": _with_variants(records)}
     (artifact / BINARIES_INDEX).write_text(json.dumps(index, indent=1))
     return index
 
@@ -277,7 +304,8 @@ def build_binaries(artifact: Path, desc: Any, jobs: int | None = None, timeout: 
                            + "\n".join(lines[-15:]) + "\nCompile with --sources-only to ship the kernel sources only "
                            "(JIT-compiled on the device).")
     index = json.loads((artifact / BINARIES_INDEX).read_text())
-    return [artifact / BINARIES_INDEX] + [artifact / k["file"] for k in index["kernels"].values()]
+    return [artifact / BINARIES_INDEX] + [artifact / r["file"] for k in index["kernels"].values()
+                                          for r in (k, *k.get("variants", ()))]
 
 
 def main(argv: list[str] | None = None) -> int:

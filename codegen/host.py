@@ -99,7 +99,9 @@ def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: Low
             lines += view_lower(ctx, KernelGroup(g.name, "torch.view", "view", g.post_views[0].name, g.post_views,
                                                  [], [])).lines
         for k in code.kernels:
-            out.kernels.setdefault(k.name, k)
+            first = out.kernels.setdefault(k.name, k)
+            if first is not k:
+                first.add_variant(k)
         if g.impl == "reference":
             out.fallbacks.append((g.name, f"{', '.join(n.op for n in g.nodes)}: no implementation accepted it"))
         members = g.pre_views + g.nodes + g.post_views

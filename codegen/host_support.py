@@ -32,6 +32,17 @@ def gemm_block_m(tokens: int, largest: int) -> int:
     return bm
 
 
+def gemm_block_m_choices(largest: int) -> list[dict[str, int]]:
+    """Every BLOCK_M that gemm_block_m can pick (one kernel binary each)."""
+    return [{"BLOCK_M": bm} for bm in sorted({gemm_block_m(t, largest) for t in range(1, 2 * largest + 1)})]
+
+
+def gemv_block_choices(max_rows: int, block_k: int, least: int = 32) -> list[dict[str, int]]:
+    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for 1..max_rows rows."""
+    pairs = sorted({gemv_blocks(r, block_k, least) for r in range(1, max(1, max_rows) + 1)})
+    return [{"BLOCK_M": bm, "BLOCK_K": bk} for bm, bk in pairs]
+
+
 def gemv_blocks(rows: int, block_k: int, least: int = 32) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the few-rows GEMM for a step: rows padded to a power of two, and the K
     tile narrowed as rows grow so the [rows, BLOCK_N, BLOCK_K] products keep one register budget
@@ -261,6 +272,18 @@ class HostProgram:
         graph, outs = self._graphs[key]
         graph.replay()
         return [o[:T].clone() for o in outs]
+
+    def capture_all(self, kv_caches: Any) -> int:
+        """Capture the decode graph of every capture size now (at load), not on the first step of each
+        size: the static inputs hold no slot (-1) and no context, so nothing is written to the KV cache."""
+        if not (self.use_graphs and kv_caches is not None):
+            return 0
+        self._static_state(kv_caches)
+        pointers = tuple(c.data_ptr() for pair in kv_caches for c in pair)
+        for B in self.capture_sizes:  # noqa: N806
+            if (B, pointers) not in self._graphs:
+                self._graphs[(B, pointers)] = self._capture(B, kv_caches)
+        return len(self.capture_sizes)
 
     def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
         s = self._static

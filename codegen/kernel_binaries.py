@@ -22,6 +22,7 @@ import ctypes
 import json
 import os
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -202,6 +203,38 @@ class BinaryKernel:
         return holders + [ctypes.c_uint64(scratch)] + [ctypes.c_uint64(0)] * (self.n_scratch - 1)
 
 
+def match_launch(name: str, records: Seq[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> int:
+    """Index of the launch record (kernels.json / binaries.json: constexprs, num_warps) that a launch with
+    these keyword arguments runs; KernelBinaryError when none was compiled for it."""
+    for i, rec in enumerate(records):
+        if (all(kwargs.get(c, v) == v for c, v in rec["constexprs"].items())
+                and int(kwargs.get("num_warps", rec["num_warps"])) == int(rec["num_warps"])):
+            return i
+    given = {c: kwargs[c] for c in records[0]["constexprs"] if c in kwargs}
+    raise KernelBinaryError(f"{name}: launched with {given}, the binaries were compiled for "
+                            f"{[r['constexprs'] for r in records]}; recompile the artifact")
+
+
+class BinaryVariants:
+    """One kernel compiled for several launch configurations (constexprs, warps): each launch runs the
+    binary whose configuration it names, as Triton's JIT would pick (or compile) its specialisation."""
+
+    def __init__(self, name: str, kernels: list[BinaryKernel]) -> None:
+        self.name, self.kernels = name, kernels
+
+    def __repr__(self) -> str:
+        return f"<BinaryVariants {self.name} ({len(self.kernels)} binaries)>"
+
+    def pick(self, kwargs: Mapping[str, Any]) -> BinaryKernel:
+        return self.kernels[match_launch(self.name, [k.rec for k in self.kernels], kwargs)]
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.pick(kwargs).run(grid, args, kwargs)
+
+        return launch
+
+
 # ---- binding an artifact's kernels ------------------------------------------------------------------------
 
 
@@ -266,6 +299,9 @@ def bind(fns: Mapping[str, Any], sources: Any, device: torch.device | str | None
     with torch.cuda.device(device):
         torch.empty(1, device=device)  # make torch's (primary) context current before loading modules
         for name, rec in index["kernels"].items():
-            if name in out:
-                out[name] = BinaryKernel(name, rec, sources.read(rec["file"]), drv, device)
+            if name not in out:
+                continue
+            kernels = [BinaryKernel(name, r, sources.read(r["file"]), drv, device)
+                       for r in (rec, *rec.get("variants", ()))]
+            out[name] = kernels[0] if len(kernels) == 1 else BinaryVariants(name, kernels)
     return out

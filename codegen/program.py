@@ -19,6 +19,7 @@ from portlayer.codegen.host import GeneratedProgram
 
 if TYPE_CHECKING:
     from portlayer.codegen.source_loader import VerifiedSources
+    from portlayer.codegen.spec import KernelSpec
 
 PROGRAM_LAYOUT = "program.json"
 
@@ -38,12 +39,22 @@ def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
             p = out / "kernels" / f"{name}.py"
             p.write_text(src)
             files.append(p)
-        meta = {n: {"family": k.family, "fn": k.fn, "signature": k.signature(), "constexprs": k.constexprs,
-                    "num_warps": k.num_warps, "num_stages": k.num_stages, "module": k.extra.get("module", n)}
-                for n, k in gen.kernels.items()}
+        meta = {n: launch_records(n, k) for n, k in gen.kernels.items()}
         (out / "kernels.json").write_text(json.dumps({"kernels": meta, "fallbacks": gen.fallbacks}, indent=2))
         files.append(out / "kernels.json")
     return files
+
+
+def launch_records(name: str, spec: KernelSpec) -> dict[str, Any]:
+    """kernels.json's entry for one kernel: its first launch configuration, the others under ``variants``
+    (codegen/aot.py compiles one binary per configuration)."""
+    first, *rest = spec.launches()
+    rec = {"family": spec.family, "fn": spec.fn, "signature": first.signature(), "constexprs": first.constexprs,
+           "num_warps": first.num_warps, "num_stages": first.num_stages, "module": spec.extra.get("module", name)}
+    if rest:
+        rec["variants"] = [{"signature": v.signature(), "constexprs": v.constexprs, "num_warps": v.num_warps,
+                            "num_stages": v.num_stages} for v in rest]
+    return rec
 
 
 def read_layout(out_dir: Path | str, data: bytes | None = None) -> dict[str, Any]:

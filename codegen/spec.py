@@ -7,7 +7,8 @@ tier compiles them from ``signature()`` and ``constexprs`` without a GPU.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: Flat IR dtype -> Triton pointer element / tl dtype spelling.
@@ -44,9 +45,39 @@ class KernelSpec:
     num_stages: int = 1
     doc: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: other launch configurations of this same source (one kernel module, several compiled binaries):
+    #: a kernel shared by groups of different shapes is specialised per constexpr set, as Triton's JIT does
+    variants: list[KernelSpec] = field(default_factory=list)
+    #: constexpr values the host program picks per step (the row tile by the step's rows): each dict
+    #: overrides ``constexprs`` for one launch configuration that the shipped binaries must cover
+    runtime_choices: list[dict[str, Any]] = field(default_factory=list)
 
     def signature(self) -> dict[str, str]:
         return {p.name: p.kind for p in self.params}
+
+    def launch_key(self) -> str:
+        """What makes a compiled binary of this source distinct: argument types, constexprs, warps, stages."""
+        return json.dumps([self.signature(), self.constexprs, self.num_warps, self.num_stages, self.runtime_choices],
+                          sort_keys=True, default=str)
+
+    def add_variant(self, other: KernelSpec) -> None:
+        """Record ``other`` (same name, so the same code: make_kernel names kernels by their code's digest) as
+        a variant of this kernel when it launches with another configuration."""
+        key = other.launch_key()
+        if key != self.launch_key() and all(v.launch_key() != key for v in self.variants):
+            self.variants.append(other)
+
+    def launches(self) -> list[KernelSpec]:
+        """Every launch configuration of this kernel (one binary each): per variant, each run-time choice."""
+        out: list[KernelSpec] = []
+        seen: set[str] = set()
+        for spec in (self, *self.variants):
+            for choice in spec.runtime_choices or [{}]:
+                one = replace(spec, constexprs={**spec.constexprs, **choice}, variants=[], runtime_choices=[])
+                if one.launch_key() not in seen:
+                    seen.add(one.launch_key())
+                    out.append(one)
+        return out
 
     @property
     def digest(self) -> str:

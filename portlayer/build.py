@@ -268,7 +268,10 @@ def binaries_summary(out_dir: Path) -> dict[str, Any]:
     index = json.loads((out_dir / "binaries.json").read_text())
     return {"kind": index["kind"], "target": index["target"], "toolchain": index["toolchain"],
             "compile_s": index["seconds"], "jobs": index["jobs"],
-            "kernels": {n: {"file": k["file"], "sha256": k["sha256"]} for n, k in index["kernels"].items()}}
+            "kernels": {n: {"file": k["file"], "sha256": k["sha256"],
+                            **({"variants": [{"file": v["file"], "sha256": v["sha256"]} for v in k["variants"]]}
+                               if k.get("variants") else {})}
+                        for n, k in index["kernels"].items()}}
 
 
 def copy_tokenizer(model_dir: Path | None, dest: Path) -> list[Path]:

@@ -131,7 +131,30 @@ class LLMEngine:
         if loaded.emulated and "backend" not in kwargs:  # KV caches in host memory, the descriptor's alignment
             kwargs["backend"] = backend_class(loaded.descriptor.device_type)(loaded.descriptor, 0, emulate=True)
         backend = kwargs.pop("backend", None) or get_backend(loaded.descriptor, index=max(loaded.device.index, 0))
-        return cls(exe, loaded.graph.meta, loaded.plan, backend=backend, tokenizer=loaded.tokenizer(), **kwargs)
+        engine = cls(exe, loaded.graph.meta, loaded.plan, backend=backend, tokenizer=loaded.tokenizer(), **kwargs)
+        engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """Pay at load what the first request would otherwise pay (vendor GEMM handles, lazily loaded
+        kernels, one CUDA graph per capture size): a prefill step of a dummy sequence in free KV blocks,
+        zeroed again afterwards, then every decode graph. Devices without graphs skip it."""
+        exe = self.executable
+        if exe.device.type != "cuda" or self.kv_caches is None:
+            return
+        bs = self.config.block_size
+        n = min(16, self.config.max_batched_tokens, self.config.num_blocks * bs)
+        dummy = Sequence(-1, "warm-up", [0] * n, SamplingParams(temperature=0.0, max_tokens=1))
+        dummy.block_table = list(range(-(-n // bs)))  # no request holds a block yet
+        _, logits = self.runner.execute([(dummy, n)])
+        self.sampler.greedy_rows(logits, [dummy])
+        for k, v in self.kv_caches:
+            k[: len(dummy.block_table)].zero_()
+            v[: len(dummy.block_table)].zero_()
+        capture = getattr(exe, "capture_all", None)
+        if capture is not None:
+            capture(self.kv_caches)
+        torch.cuda.synchronize(exe.device)
 
     @classmethod
     def open(cls, spec: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:

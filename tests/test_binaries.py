@@ -48,7 +48,13 @@ def test_manifest_lists_one_binary_per_kernel(arts, target, kind):
     b = m["binaries"]
     assert b["kind"] == kind and set(b["kernels"]) == set(kernels)
     assert b["toolchain"]["triton"] == triton.__version__
-    for name, k in b["kernels"].items():
+    index = json.loads((art / "binaries.json").read_text())["kernels"]
+    for name, k in kernels.items():  # one binary per launch configuration, in the same order
+        made = [index[name], *index[name].get("variants", ())]
+        assert [r["constexprs"] for r in made] == [c["constexprs"] for c in (k, *k.get("variants", ()))]
+        assert len({r["file"] for r in made}) == len(made)
+        assert [v["sha256"] for v in b["kernels"][name].get("variants", ())] == [r["sha256"] for r in made[1:]]
+    for name, k in ((n, r) for n, x in b["kernels"].items() for r in (x, *x.get("variants", ()))):
         data = (art / k["file"]).read_bytes()
         assert k["file"].endswith(f".{kind}") and m["files"][k["file"]]["kind"] == "source"
         assert hashlib.sha256(data).hexdigest() == k["sha256"] == m["files"][k["file"]]["sha256"]
@@ -154,3 +160,52 @@ def test_launch_parameters_follow_the_binary_abi(arts):
     wrong = {**rec["constexprs"], "N": 2 * rec["constexprs"]["N"]}
     with pytest.raises(KB.KernelBinaryError, match="compiled for"):
         k.pack((x, w, out, 4, 1e-6), wrong)
+
+
+@pytest.mark.parametrize("model,quantize", [("tiny-qwen3", "int4"), ("qwen3-moe", None)])
+def test_every_launch_the_program_makes_has_its_binary(tiny_dirs, tmp_path, monkeypatch, model, quantize):
+    """A kernel shared by groups of different shapes is one module but several binaries (its constexprs
+    differ per launch), and row tiles chosen per step (GEMM, few-rows GEMM, MoE) are binaries too. Every
+    launch a real run makes — prefill and decode at two batch sizes, recorded under the Triton interpreter —
+    must be one of the launch configurations in kernels.json, the list the AOT build compiles one binary
+    for each of (test_manifest_lists_one_binary_per_kernel checks that every entry has its binary)."""
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    if model == "qwen3-moe":
+        from test_moe_archs import build
+
+        src = build("qwen3-moe")
+    else:
+        src = str(tiny_dirs[model])
+    art = tmp_path / "h200-fp32"
+    portlayer.compile(src, target="nvidia-h200", dtype="float32", output=art, quantize=quantize, progress=False,
+                      sources_only=True, verify=False)
+    launches: list[tuple[str, dict]] = []
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, dict(kwargs)))
+                return self.fn[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = LLMEngine.from_artifact(art, interpret=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.generate([list(range(3, 24)), [5, 6, 7]], params)  # a 24-token prefill step, then decode at batch 2
+    eng.generate([[7] * 3], params)  # decode at batch 1
+    kernels = json.loads((art / "kernels.json").read_text())["kernels"]
+    configs = {n: [k, *k.get("variants", ())] for n, k in kernels.items()}
+    assert launches and {n for n, _ in launches} <= set(configs)
+    assert any(len(c) > 1 for c in configs.values())  # several (N, K), or row tiles chosen per step
+    for name, kwargs in launches:
+        KB.match_launch(name, configs[name], kwargs)  # raises KernelBinaryError: no binary for this launch
+    name, some = next((n, c) for n, c in configs.items() if len(c) > 1)
+    with pytest.raises(KB.KernelBinaryError, match="compiled for"):
+        KB.match_launch(name, some, {c: -1 for c in some[0]["constexprs"]})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
+from portlayer.codegen.host_support import gemm_block_m_choices, gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
@@ -206,6 +207,7 @@ def _triton_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c != "BLOCK_M")
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])  # T, or S for per-sequence rows
     grid = f"(triton.cdiv({m}, bm) * triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
+    spec.runtime_choices = gemm_block_m_choices(const["BLOCK_M"])
     return [f"bm = gemm_block_m({m}, {const['BLOCK_M']})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
@@ -216,6 +218,8 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> 
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
     least = f", {const['G']}" if "G" in const and const["G"] < const["BLOCK_K"] else ""
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"],
+                                              *([const["G"]] if least else []))
     return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
@@ -258,6 +262,7 @@ def _sibling_gemv(ctx: GenContext, group: KernelGroup) -> tuple[Any, list[str]]:
                        cfg["num_warps"], cfg["num_stages"], parts=parts,
                        doc=f"{parts} matrix multiplies of one activation for few rows, in one launch.")
     m = host_numel(x_t.shape[:-1])
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
     grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
     args = [x, *(n.inputs[1] for n in nodes), *(n.outputs[0].name for n in nodes), *(str(n) for n in ns)]
     return spec, [f"bm, bk = gemv_blocks({m}, {bk})",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from portlayer.codegen.host_support import gemm_block_m_choices
 from portlayer.codegen.kernels.context import GenContext, dot_args, make_kernel
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.codegen.spec import KernelSpec, Param, pow2, ptr, short_dtype
@@ -154,6 +155,7 @@ def lower_moe(ctx: GenContext, group: KernelGroup) -> GroupCode:
     dtype, act = x_t.dtype, str(node.attrs.get("activation", "silu"))
     cfg = moe_config(ctx.shared_memory_bytes, ctx.warp_size, dtype, hidden, inter)
     gate_up, down = build_fused_moe(dtype, act, cfg, top_k, hidden, inter)
+    gate_up.runtime_choices = down.runtime_choices = gemm_block_m_choices(cfg.block_m)  # moe_bm below
     slots = f"T * {top_k}" if top_k != 1 else "T"
     common = (f"TOP_K={top_k}, BLOCK_M=moe_bm, BLOCK_N={cfg.block_n}, BLOCK_K={cfg.block_k}, "
               f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}")
