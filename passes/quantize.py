@@ -9,14 +9,17 @@ Modes (``plan.weight_quantization``, or ``options['weight_quantization']``):
   and group 32 asymmetric 100% (docs/quantization.md says why), and every shipped int8 kernel
   takes group 32.
 - ``int4``: groups of ``options['group_size']`` (default: the plan's ``quant_group_size``,
-  else 128), asymmetric (scale + offset per group), AWQ-scaled (passes/awq.py: per-channel
-  scales searched on the built-in text passes/calib_text.txt through the model's own
-  tokenizer, folded into the preceding norm / up_proj rows) then round-to-nearest.
+  else 128), asymmetric (scale + offset per group), calibrated round-to-nearest (``clip``): each
+  group's min/max shrink and a least-squares scale/offset refit chosen by the layer's output error
+  on the built-in text passes/calib_text.txt (through the model's own tokenizer), true-sequential
+  (passes/sequential.py: each layer on the activations of the already-quantized ones).
 - ``native``: the linear weights a GGUF source shipped in block form (Q8_0/Q4_0/Q4_1 at group
   32, flatten/gguf_blocks.py) are used as they are; every other weight stays float.
 
-``options['quant_method']`` (``rtn``, ``gptq``, ``awq``, ``awq+gptq``) overrides the method,
-``options['act_order']`` / ``options['gptq_damp']`` tune GPTQ, ``options['symmetric']`` the offsets.
+``options['quant_method']`` (``rtn``, ``clip``, ``gptq``, ``awq``, ``awq+gptq``) overrides the method,
+``options['act_order']`` / ``options['gptq_damp']`` tune GPTQ, ``options['symmetric']`` the offsets,
+``options['sequential']`` / ``options['clip']`` / ``options['calibration_tokens']`` /
+``options['calibration_device']`` the calibration (docs/quantization.md).
 The LM head stays in float unless ``options['quantize_lm_head']``, as vLLM's GPTQ/AWQ loaders
 do: logits are the most sensitive output.
 """
@@ -35,7 +38,7 @@ from portlayer.passes.util import all_names, fresh_name
 
 MODES = ("int8", "int4", "native")
 INT8_GROUP = 32  # the smallest group every linear_wq lowering takes (Triton: 16, CANN: 32)
-DEFAULT_METHOD = {8: "rtn", 4: "awq"}  # the best measured on SmolLM2 (docs/quantization.md)
+DEFAULT_METHOD = {8: "rtn", 4: "clip"}  # the best measured on SmolLM2 (docs/quantization.md)
 
 
 def pick_group(k: int, bits: int, requested: int | None) -> int:
