@@ -139,6 +139,11 @@ class BackendAdapter(abc.ABC):
         """The widest group of threads that sees each other's writes without an explicit barrier."""
         return self.descriptor.memory_fence_scope
 
+    def launches_asynchronously(self) -> bool:
+        """Whether a launched step returns before the device finished it (a queue/stream), so the host
+        can prepare the next step meanwhile (runtime/overlap.py). The CPU runs torch ops in place."""
+        return True
+
     @abc.abstractmethod
     def supports_graph_capture(self) -> bool:
         """Whether a decode step can be captured once and replayed (CUDA graphs, ACL graphs)."""

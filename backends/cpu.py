@@ -50,6 +50,9 @@ class CPUAdapter(BackendAdapter):
     def supports_graph_capture(self) -> bool:
         return False
 
+    def launches_asynchronously(self) -> bool:
+        return False  # nothing to overlap: a step is done when its launch returns
+
     def compile_program(self, result, out_dir) -> list:
         """The generated torch host program (reference-op calls in kernel order) for a PipelineResult."""
         from portlayer.backends.generate import generate

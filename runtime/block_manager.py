@@ -131,13 +131,15 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             tokens = tokens or seq.token_ids
             block = tuple(tokens[i * bs : (i + 1) * bs])
+            if min(block) < 0:  # a token still on the device (overlapped step): hash it once it is known
+                break
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH, block)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]
             if h not in self.hash_to_block and self.block_hash[bid] is None:
                 self.hash_to_block[h] = bid
                 self.block_hash[bid], self.block_tokens[bid] = h, block
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // bs)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, len(seq.block_hashes))
 
     def free_seq(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first, so shared prefixes stay cached longest)."""

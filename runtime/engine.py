@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from portlayer.runtime import overlap as overlap_mod
 from portlayer.runtime.block_manager import BlockManager
 from portlayer.runtime.executable import Executable
 from portlayer.runtime.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -25,7 +26,6 @@ from portlayer.runtime.model_runner import ModelRunner
 from portlayer.runtime.sampler import Sampler, check_sampling_params
 from portlayer.runtime.scheduler import Scheduler, SchedulerConfig
 from portlayer.runtime.sequence import RequestOutput, RequestRejected, SamplingParams, Sequence
-from portlayer.runtime.step_guard import execute_isolating_failures, sample_guarded
 
 Prompt = str | Seq[int]
 
@@ -60,6 +60,7 @@ class LLMEngine:
         prefill_chunk_size: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.executable, self.meta, self.plan, self.tokenizer = executable, dict(meta), plan, tokenizer
         task = self.meta.get("task", "causal_lm")
@@ -100,6 +101,12 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.errors: dict[str, str] = {}  # request id -> why it finished with an error
         self.num_steps = 0
+        # the host prepares step N+1 while the device runs step N where launches return before the work
+        # is done (the backend says so; PORTLAYER_OVERLAP=0 turns it off)
+        asynchronous = backend is not None and backend.launches_asynchronously()
+        self.overlap = (asynchronous and os.environ.get("PORTLAYER_OVERLAP", "1") != "0") if overlap is None else overlap
+        self._inflight: overlap_mod.InFlight | None = None
+        self.num_overlapped_steps = 0
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -245,7 +252,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        live = self._inflight is not None and any(not s.finished for s in self._inflight.due)
+        return live or self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -255,38 +263,40 @@ class LLMEngine:
         its next token was sampled. A failure (an exception in the program, non-finite logits,
         a sampling error) finishes only the requests it affects, with ``finish_reason="error"``
         and the message in ``error``; the engine goes on serving the others.
+
+        With ``overlap`` (devices that run ahead of the host), an all-greedy step's tokens reach
+        the host during the next step: this call launches step N+1, then returns step N's outputs
+        (runtime/overlap.py); the tokens are the same.
         """
+        prev, self._inflight = self._inflight, None
         batch = self.scheduler.schedule()
-        if batch.empty:
+        if batch.empty and prev is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                                    f"{len(self.scheduler.running)} running sequences; this is a bug")  # fmt: skip
             return []
         outputs: list[RequestOutput] = []
-        ran, due, logits, failed = execute_isolating_failures(self.runner, batch.items)
-        for seq, msg in failed:
-            outputs.append(self._fail(seq, msg))
-        for seq, n in ran:
-            seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq)
-        for seq, tok in zip(due, sample_guarded(self.sampler, logits, due)):
-            if isinstance(tok, str):
-                outputs.append(self._fail(seq, tok))
-                continue
-            seq.append_token(tok)
-            reason = seq.stop_reason(self.eos_token_id, self.config.max_model_len)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-            try:
-                text = self._detok(seq) if seq.finished else None
-            except Exception as e:  # a tokenizer that cannot decode these ids: the tokens still stand
-                text, self.errors[seq.request_id] = None, f"detokenizing failed ({type(e).__name__}: {e})"
-            out = RequestOutput.of(seq, text)
-            out.error = self.errors.get(seq.request_id) if seq.finished else None
-            outputs.append(out)
-        self.num_steps += 1
+        launched = overlap_mod.launch(self, batch, prev, outputs, self.overlap) if not batch.empty else None
+        if prev is not None:
+            outputs += overlap_mod.resolve(self, prev)
+        if launched is not None:
+            if launched.pending is None:
+                outputs += overlap_mod.sample_now(self, launched)
+            else:
+                self._inflight = launched
+                self.num_overlapped_steps += 1
+            self.num_steps += 1
         return outputs
+
+    def _output(self, seq: Sequence, upto: int | None = None) -> RequestOutput:
+        """The output of ``seq`` after its first ``upto`` output tokens (the text once it finished)."""
+        try:
+            text = self._detok(seq) if seq.finished else None
+        except Exception as e:  # a tokenizer that cannot decode these ids: the tokens still stand
+            text, self.errors[seq.request_id] = None, f"detokenizing failed ({type(e).__name__}: {e})"
+        out = RequestOutput.of(seq, text, upto)
+        out.error = self.errors.get(seq.request_id) if seq.finished else None
+        return out
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """Finish ``seq`` with an error output; its KV blocks go back to the pool."""
@@ -374,7 +384,8 @@ class LLMEngine:
     @property
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
-        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preemptions,
+        return {"steps": self.num_steps, "overlapped_steps": self.num_overlapped_steps,
+                "preemptions": self.scheduler.num_preemptions,
                 "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                 "prefix_hit_blocks": bm.stats.prefix_hit_blocks, "prefix_query_blocks": bm.stats.prefix_query_blocks}  # fmt: skip
 

@@ -39,8 +39,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = executable.device
 
-    def prepare(self, items: Seq[tuple[Sequence, int]]) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[int]]:
-        """Feeds, metadata, and the stream rows whose logits are sampled (one per finished-prefill/decode seq)."""
+    def prepare(self, items: Seq[tuple[Sequence, int]], pending: torch.Tensor | None = None,
+                ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[int]]:
+        """Feeds, metadata, and the stream rows whose logits are sampled (one per finished-prefill/decode seq).
+
+        ``pending``: the in-flight step's sampled tokens on the device; a sequence's last token may be
+        its placeholder -(row + 1) (Sequence.append_pending), replaced on the device by ``pending[row]``."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -48,6 +52,8 @@ class ModelRunner:
         starts = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        patch_dst: list[int] = []
+        patch_src: list[int] = []
         for seq, n in items:
             start = seq.num_computed_tokens
             end = start + n
@@ -71,6 +77,9 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:
                 sample_rows.append(starts[-1] - 1)
+                if outs and outs[-1] < 0:  # the input is a token of the in-flight step
+                    patch_dst.append(starts[-1] - 1)
+                    patch_src.append(-outs[-1] - 1)
         width = max((len(s.block_table) for s, _ in items), default=0)
         S, T = len(items), len(ids)  # noqa: N806
         # two host-to-device copies per step (one per dtype), the tensors are views of them
@@ -80,13 +89,25 @@ class ModelRunner:
         tables = small[2 * S + 1 :].reshape(S, width)
         for row, (s, _) in enumerate(items):
             tables[row, : len(s.block_table)] = s.block_table
-        big = np.fromiter(itertools.chain(ids, positions, slots), dtype=np.int64, count=3 * T)
+        P = len(patch_dst)  # noqa: N806
+        if P and pending is None:
+            raise RuntimeError("a placeholder token in the step's inputs but no in-flight step; this is a bug")
+        big = np.fromiter(itertools.chain(ids, positions, slots, patch_dst, patch_src), dtype=np.int64,
+                          count=3 * T + 2 * P)
         dev = self.device
-        small_d, big_d = torch.from_numpy(small).to(dev), torch.from_numpy(big).to(dev)
+        if dev.type == "cpu":
+            small_d, big_d = torch.from_numpy(small), torch.from_numpy(big)
+        elif dev.type != "cuda":
+            small_d, big_d = torch.from_numpy(small).to(dev), torch.from_numpy(big).to(dev)
+        else:  # from pinned memory, without waiting: a pageable copy would wait for the step in flight
+            small_d = torch.from_numpy(small).pin_memory().to(dev, non_blocking=True)
+            big_d = torch.from_numpy(big).pin_memory().to(dev, non_blocking=True)
+        if P:
+            big_d[:T].index_copy_(0, big_d[3 * T : 3 * T + P], pending.index_select(0, big_d[3 * T + P :]))
         meta = AttentionMetadata(
             query_start_loc=small_d[: S + 1],
             seq_lens=small_d[S + 1 : 2 * S + 1],
-            slot_mapping=big_d[2 * T :],
+            slot_mapping=big_d[2 * T : 3 * T],
             block_tables=small_d[2 * S + 1 :].view(S, width),
             num_prefills=sum(1 for _, n in items if n > 1),
             max_query_len=max((n for _, n in items), default=0),
@@ -96,9 +117,10 @@ class ModelRunner:
         return feeds, meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, items: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def execute(self, items: Seq[tuple[Sequence, int]], pending: torch.Tensor | None = None,
+                ) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; return the sequences due a token and their logits rows ([n, vocab])."""
-        feeds, meta, rows = self.prepare(items)
+        feeds, meta, rows = self.prepare(items, pending)
         # lm_head runs on the last row of every sequence of the step (num_seqs rows) when it can
         selects = LOGITS_INDICES in feed_last_rows(feeds, getattr(self.executable, "input_names", ()), meta)
         logits = self.executable.run(feeds, meta, self.kv_caches)[0]

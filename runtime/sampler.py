@@ -9,6 +9,8 @@ sequence, not the step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from portlayer.runtime.sequence import SamplingParams, Sequence
@@ -28,6 +30,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+@dataclass
+class PendingTokens:
+    """One step's greedy tokens: on the device now, on the host once ``result()`` has waited for the copy."""
+
+    tokens: torch.Tensor  # [rows] int64 on the device
+    host: torch.Tensor  # [2, rows]: tokens, all-finite flags (pinned; filled by the in-flight copy)
+    event: torch.cuda.Event | None
+
+    def result(self) -> tuple[list[int], list[bool]]:
+        if self.event is not None:
+            self.event.synchronize()
+        toks, finite = self.host.tolist()
+        return toks, [bool(f) for f in finite]
 
 
 class Sampler:
@@ -67,6 +84,22 @@ class Sampler:
         both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
         toks, finite = both.tolist()
         return toks, [bool(f) for f in finite]
+
+    def greedy_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens | None:
+        """greedy_rows without waiting: the argmax stays on the device (the next step's inputs read it
+        there) and its host copy is in flight; None when a row needs more than its argmax. A subclass
+        that records more per row (logprobs) overrides this as it does greedy_rows."""
+        if not all(s.params.greedy for s in seqs):
+            return None
+        both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
+        if both.device.type == "cpu":
+            return PendingTokens(both[0], both, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event() if both.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        return PendingTokens(both[0], host, event)
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         p: SamplingParams = seq.params

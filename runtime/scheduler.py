@@ -108,8 +108,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
+    def leave(self, seq: Sequence) -> None:
+        """Stop scheduling ``seq`` but keep its blocks: its last token is in flight (runtime/overlap.py);
+        ``finish`` follows once the token is known."""
+        if seq in self.running:
+            self.running.remove(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of scheduling (it stopped, or the caller aborted it)."""
+        seq.drop_pending()
         seq.finish(reason)
         if seq in self.running:
             self.running.remove(seq)

@@ -101,18 +101,34 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
 
+    def append_pending(self, row: int) -> int:
+        """Append a token still on the device (row ``row`` of the in-flight step's samples) as the
+        negative placeholder -(row + 1); the next step's inputs read the real id on the device. Returns
+        its index, where the engine writes the real id once it reaches the host."""
+        self.output_token_ids.append(-(row + 1))
+        return len(self.output_token_ids) - 1
+
+    def drop_pending(self) -> None:
+        """Remove placeholders at the end (a sequence that stops never shows one)."""
+        outs = self.output_token_ids
+        while outs and outs[-1] < 0:
+            outs.pop()
+
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
 
-    def stop_reason(self, eos_token_id: int | None, max_model_len: int) -> str | None:
-        """Why the sequence must stop after its newest token, or None to go on."""
-        p, last = self.params, self.output_token_ids[-1]
+    def stop_reason(self, eos_token_id: int | None, max_model_len: int, upto: int | None = None) -> str | None:
+        """Why the sequence must stop after its newest token (or after output token ``upto - 1``, when a
+        placeholder of an in-flight step follows it), or None to go on."""
+        p = self.params
+        n = len(self.output_token_ids) if upto is None else upto
+        last = self.output_token_ids[n - 1]
         if not p.ignore_eos and eos_token_id is not None and last == eos_token_id:
             return "stop"
         if last in p.stop_token_ids:
             return "stop"
-        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+        if n >= p.max_tokens or len(self.prompt_token_ids) + n >= max_model_len:
             return "length"
         return None
 
@@ -156,9 +172,11 @@ class RequestOutput:
                 f"finished={self.finished}, finish_reason={self.finish_reason!r}, error={self.error!r})")
 
     @staticmethod
-    def of(seq: Sequence, text: str | None = None) -> RequestOutput:
-        n = len(seq.output_token_ids)
-        new = seq.output_token_ids[seq.num_emitted :]
+    def of(seq: Sequence, text: str | None = None, upto: int | None = None) -> RequestOutput:
+        """The output after ``seq``'s first ``upto`` output tokens (default: all; a placeholder of the
+        next, in-flight step may follow them)."""
+        n = len(seq.output_token_ids) if upto is None else upto
+        new = seq.output_token_ids[seq.num_emitted : n]
         seq.num_emitted = n
         return RequestOutput(
             request_id=seq.request_id,

@@ -20,11 +20,12 @@ from portlayer.runtime.sequence import Sequence
 Item = tuple[Sequence, int]
 
 
-def execute_isolating_failures(runner: Any, items: Seq[Item]) -> tuple[list[Item], list[Sequence], torch.Tensor | None,
-                                                                      list[tuple[Sequence, str]]]:
-    """(items that ran, sequences due a token, their logits rows, (sequence, message) for failures)."""
+def execute_isolating_failures(runner: Any, items: Seq[Item], pending: torch.Tensor | None = None,
+                               ) -> tuple[list[Item], list[Sequence], torch.Tensor | None, list[tuple[Sequence, str]]]:
+    """(items that ran, sequences due a token, their logits rows, (sequence, message) for failures).
+    ``pending``: the in-flight step's tokens (ModelRunner.prepare)."""
     try:
-        due, logits = runner.execute(items)
+        due, logits = runner.execute(items, pending) if pending is not None else runner.execute(items)
         return list(items), list(due), logits, []
     except Exception as e:
         if len(items) == 1:
@@ -34,7 +35,7 @@ def execute_isolating_failures(runner: Any, items: Seq[Item]) -> tuple[list[Item
     rows: list[torch.Tensor] = []
     failed: list[tuple[Sequence, str]] = []
     for item in items:
-        r, d, lg, f = execute_isolating_failures(runner, [item])
+        r, d, lg, f = execute_isolating_failures(runner, [item], pending)
         ran += r
         failed += f
         if d and lg is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portlayer.runtime.sampler import Sampler
+from portlayer.runtime.sampler import PendingTokens, Sampler
 from portlayer.runtime.sequence import Sequence
 
 
@@ -49,6 +49,11 @@ class LogprobSampler(Sampler):
         if any(s.request_id in self.want for s in seqs):
             return None  # the rows asking for logprobs go through __call__, which records them
         return super().greedy_rows(logits, seqs)
+
+    def greedy_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens | None:
+        if any(s.request_id in self.want for s in seqs):
+            return None
+        return super().greedy_async(logits, seqs)
 
     def take(self, request_id: str) -> list[TokenLogprob]:
         return self._records.pop(request_id, [])
