@@ -165,7 +165,9 @@ def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress,
 
 def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
     """The backend benchmarks; ``pipeline`` is passes.pipeline.run_pipeline (the CLI hands it in)."""
-    out: list[Extra] = [measure_torch_attention]
+    from portlayer.backends.calibration_torch import measure_torch_nodes
+
+    out: list[Extra] = [measure_torch_attention, measure_torch_nodes]
     if pipeline is not None:
         out.append(lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base))
     return out

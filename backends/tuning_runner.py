@@ -108,8 +108,13 @@ class StepTimer:
 
 def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batch: int = 16, context: int = 128,
          prefill: int = 128, iters: int = 10, families: Sequence[str] | None = None, limit: int = 6,
-         say: Callable[[str], None] = print, existing: TuningFile | None = None) -> TuningFile:
-    """Search each family's candidates; the tuning file for ``descriptor`` and this toolchain."""
+         say: Callable[[str], None] = print, existing: TuningFile | None = None, budget_s: float | None = None,
+         on_family: Callable[[TuningFile], None] | None = None) -> TuningFile:
+    """Search each family's candidates; the tuning file for ``descriptor`` and this toolchain.
+
+    ``budget_s``: no family is started once the time spent plus the slowest family so far would pass it
+    (the families left keep their defaults, said so); ``on_family`` gets the file after each family, so
+    a run cut short keeps what it found (`portlayer tune` saves there)."""
     req_json = (getattr(plan, "inputs", None) or {}).get("requirements")  # the ones the Plan was negotiated from
     req = ModelRequirements.from_json(req_json) if req_json else ModelRequirements.from_graph(graph)
     shape = shape_key(req, str(plan.compute_dtype))
@@ -122,8 +127,13 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
         used.add("gemv")
     fams = [f for f in (families or defaults) if f in defaults and (f in used or families)]
     with tempfile.TemporaryDirectory(prefix="portlayer-tune-") as tmp:
+        start, slowest = time.perf_counter(), 0.0
         timer = StepTimer(graph, plan, descriptor, device, batch, context, prefill, iters, Path(tmp))
-        for fam in fams:
+        for i, fam in enumerate(fams):
+            spent = time.perf_counter() - start
+            if budget_s is not None and spent + slowest > budget_s:
+                say(f"tune: budget {budget_s:.0f}s reached after {spent:.0f}s; left at their defaults: {', '.join(fams[i:])}")
+                break
             cands = candidates(fam, defaults[fam], descriptor, str(plan.compute_dtype), limit)
             t0 = time.perf_counter()
             times = []
@@ -142,4 +152,7 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             out.put(fam, shape, cands[best], times[best], times[0], cands[0], len(cands))
             say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
                 f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}")
+            slowest = max(slowest, time.perf_counter() - t0)
+            if on_family is not None:
+                on_family(out)
     return out

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bootstrap import REPO, bootstrap  # noqa: E402
@@ -66,41 +67,58 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def build_checkpoint(params: str, root: Path, seed: int = 0) -> Path:
-    """Write (once) the checkpoint under ``root``: config.json, shards, the index. Returns the dir."""
+def _random_tensor(shape: tuple[int, ...], seed: int) -> Any:
+    """One checkpoint tensor from its own seed: the same bytes whatever thread or order makes it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if len(shape) == 1:
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    # std 1/sqrt(fan_in) keeps activations O(1) through the depth
+    return (torch.randn(shape, generator=gen) * (shape[1] ** -0.5)).to(torch.bfloat16)
+
+
+def build_checkpoint(params: str, root: Path, seed: int = 0, threads: int | None = None) -> Path:
+    """Write (once) the checkpoint under ``root``: config.json, shards, the index. Returns the dir.
+
+    Shards are made one at a time (the builder holds at most one shard, ~1 GiB), their tensors
+    by a pool of threads (torch's RNG and casts release the GIL), each tensor from its own seed.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     from safetensors.torch import save_file
 
-    d = root / f"llama-{params}-bf16-seed{seed}"
+    d = root / f"llama-{params}-bf16-seed{seed}-v2"
     if (d / "DONE").is_file():
         return d
     d.mkdir(parents=True, exist_ok=True)
     cfg = llama_config(params)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    gen = torch.Generator().manual_seed(seed)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shards: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in tensor_shapes(cfg):
+    for k, (name, shape) in enumerate(tensor_shapes(cfg)):
         nbytes = 2 * int(torch.Size(shape).numel())
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append((k, name, shape))
         size += nbytes
     weight_map, total = {}, 0
-    for k, shard in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, shape in shard:
-            if len(shape) == 1:
-                t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-            else:  # std 1/sqrt(fan_in) keeps activations O(1) through the depth
-                t = torch.randn(shape, generator=gen) * (shape[1] ** -0.5)
-            tensors[name] = t.to(torch.bfloat16)
-            weight_map[name] = fname
-            total += tensors[name].numel() * 2
-        save_file(tensors, str(d / fname), metadata={"format": "pt"})
-        del tensors
+    workers = threads or min(16, os.cpu_count() or 1)
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)  # parallel over tensors, not inside each
+    with ThreadPoolExecutor(workers) as pool:
+        for j, shard in enumerate(shards):
+            fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+            made = pool.map(lambda t: _random_tensor(t[2], seed * 100003 + t[0]), shard)
+            tensors = {name: t for (_k, name, _s), t in zip(shard, made)}
+            for name, t in tensors.items():
+                weight_map[name] = fname
+                total += t.numel() * 2
+            save_file(tensors, str(d / fname), metadata={"format": "pt"})
+            del tensors
+    torch.set_num_threads(intra)
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (d / "DONE").write_text(str(total))
     return d
@@ -140,6 +158,9 @@ else:
             rep = m.validate(ex)
             out["validate"] = {{"ok": bool(rep.ok), "table": rep.format_table()}}
 out["seconds"] = round(time.perf_counter() - t0, 3)
+ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+out["cpu_s"] = round(sum(r.ru_utime + r.ru_stime for r in ru), 1)  # CPU time: steadier than wall on a shared host
+out["load_avg"] = os.getloadavg()[0]
 out["peak_rss"] = hwm()
 print("BENCH_SCALE " + json.dumps(out))
 """
@@ -169,41 +190,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="1.1B", choices=sorted(SHAPES))
     p.add_argument("--targets", default="cpu-x86_64,nvidia-h200")
     p.add_argument("--cache", default=os.environ.get("PORTLAYER_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "portlayer-bench")),
-                   help="where the checkpoint is built once and reused")
+                   help="where the checkpoint is built once and reused (e.g. /dev/shm when the disk cannot hold it)")
     p.add_argument("--work", default=None, help="where artifacts are written (default: a temp dir, removed)")
     p.add_argument("--no-load", action="store_true", help="compile only")
     p.add_argument("--validate", action="store_true", help="validate the loaded artifact on this machine")
     p.add_argument("--decode", action="store_true",
                    help="also time decode at batch 1 (benchmarks/bench_serving.py on the artifact; needs the device)")
     p.add_argument("--keep", action="store_true", help="keep the artifacts (under --work)")
+    p.add_argument("--drop-checkpoint", action="store_true",
+                   help="delete the checkpoint after the last compile (frees /dev/shm before loading)")
+    p.add_argument("--bound-extra-gib", type=float, default=1.0,
+                   help="the RSS bound is 1.25 x weights + this (issue 20: 1 GB on the CPU host, 2 GB on the H200 host)")
     p.add_argument("--label", default="", help="a label for the JSON (e.g. before / after)")
     p.add_argument("--timeout", type=float, default=3000)
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None, help="write the results here (rewritten after each stage)")
     args = p.parse_args(argv)
     bootstrap()
     import shutil
 
+    doc: dict = {"benchmark": "bench_scale", "label": args.label, "params": args.params, "shape": llama_config(args.params),
+                 "host_cpus": os.cpu_count(), "rows": [], "commit": _commit()}
+
+    def save(stage: str) -> None:  # partial results survive a timeout
+        doc["last_stage"] = stage
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+
     t0 = time.perf_counter()
     model = build_checkpoint(args.params, Path(args.cache))
     wbytes = weight_bytes(model)
+    doc.update(weight_bytes=wbytes, weight_gib=gib(wbytes), checkpoint=str(model),
+               checkpoint_s=round(time.perf_counter() - t0, 1))
+    save("checkpoint")
     print(f"checkpoint {model}: {gib(wbytes)} GiB ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
-    rows = []
+    bound = 1.25 * wbytes + args.bound_extra_gib * (1 << 30)
+    targets = [t for t in args.targets.split(",") if t]
+    rows = doc["rows"]
     try:
-        for target in [t for t in args.targets.split(",") if t]:
+        for n, target in enumerate(targets):
             art = work / f"art-{target}"
             # a cache per target: each compile is cold (no capture reused from the previous target)
             env = dict(os.environ, PORTLAYER_CACHE=str(work / f"cache-{target}"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
             env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
             row: dict = {"target": target}
+            rows.append(row)
             c = run_child("compile", model, target, art, env, False, args.timeout)
             row["compile"] = c
             if "error" not in c:
                 row["compile_s"] = c["seconds"]
+                row["compile_cpu_s"] = c.get("cpu_s")
                 row["peak_rss_compile_gib"] = gib(c["peak_rss"])
                 row["rss_over_weights"] = round(c["peak_rss"] / wbytes, 3)
-                row["bound_gib"] = gib(1.25 * wbytes + (1 << 30))
-                row["within_bound"] = c["peak_rss"] <= 1.25 * wbytes + (1 << 30)
+                row["bound_gib"] = gib(bound)
+                row["within_bound"] = c["peak_rss"] <= bound
+            save(f"compile {target}")
+            if args.drop_checkpoint and n == len(targets) - 1:
+                shutil.rmtree(model, ignore_errors=True)
+                doc["checkpoint_dropped"] = True
+            if "error" not in c:
                 runnable = target.startswith("cpu") or _has_gpu()
                 if not args.no_load:
                     what = "load" if runnable else "load-only"
@@ -212,22 +258,18 @@ def main(argv: list[str] | None = None) -> int:
                     if "error" not in lo:
                         row["load_s"] = lo.get("load_s", lo["seconds"])
                         row["peak_rss_load_gib"] = gib(lo["peak_rss"])
+                    save(f"load {target}")
                 if args.decode and runnable:
                     row["decode_b1"] = decode_b1(art, env, wbytes, args.timeout)
+                    save(f"decode {target}")
             print(json.dumps({k: v for k, v in row.items() if k not in ("compile", "load")}), file=sys.stderr)
-            rows.append(row)
             if not args.keep:
                 shutil.rmtree(art, ignore_errors=True)
             shutil.rmtree(work / f"cache-{target}", ignore_errors=True)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "bench_scale", "label": args.label, "params": args.params, "shape": llama_config(args.params),
-           "weight_bytes": wbytes, "weight_gib": gib(wbytes), "host_cpus": os.cpu_count(), "rows": rows,
-           "commit": _commit()}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    save("done")
     print(json.dumps(doc, indent=1))
     return 0 if all("error" not in r["compile"] for r in rows) else 1
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from portlayer.capabilities.calibrate_attention import measure_paged_attention
+from portlayer.capabilities.calibrate_attention import fit, measure_paged_attention
 from portlayer.capabilities.calibrate_gemm import (
     MATMUL_DTYPES,
     TORCH_DTYPES,
@@ -34,6 +34,7 @@ from portlayer.capabilities.calibrate_memory import (
     measure_bandwidth_sweep,
     measure_copy_bandwidth,
 )
+from portlayer.capabilities.calibrate_rounds import merge_rounds, spread_pct
 from portlayer.capabilities.calibrate_timing import (
     CPU_FULL,
     CPU_QUICK,
@@ -43,6 +44,8 @@ from portlayer.capabilities.calibrate_timing import (
     GPU_SIZES,
     Progress,
     Sizes,
+    host_clock,
+    pinned_threads,
     sig,
     time_per_iter,
 )
@@ -118,39 +121,64 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Extra] = (), base: str = "") -> dict[str, Any]:
-    """Run every benchmark; the raw results (no descriptor yet)."""
+    """Run every benchmark; the raw results (no descriptor yet).
+
+    The backend extras run first: where one measures a curve the way its programs run it (the torch
+    family's GEMM through the linear op, its batched attention), the generic benchmark is skipped."""
     sweep = measure_bandwidth_sweep(dev, sizes, progress)
     matmul = measure_matmuls(dev, sizes, progress)
     if "fp32" not in matmul:
         raise RuntimeError(f"calibrate: the fp32 matmul on {dev} could not be timed; nothing to calibrate against")
-    fast = {k: v for k, v in matmul.items() if v >= matmul["fp32"] * SLOW_FRACTION}
-    wanted = ("fp32",) if dev.type == "cpu" else ("bf16", "fp16")  # the compute dtypes the policy picks there
-    curves = {k: measure_small_m(dev, k, sizes, progress) for k in wanted if k in fast}
-    small_k = max(64, sizes.gemm_k // 8)
-    small = {k: measure_small_m(dev, k, sizes, progress, small_k) for k in curves}
-    compute = next(iter(curves), "fp32")
-    attn = measure_paged_attention(dev, sizes, progress, TORCH_DTYPES[compute])
-    launch = measure_launches(dev, sizes, progress)
-    out = {"sweep": sweep, "matmul": matmul, "gemm_curves": curves, "attention": attn, "launch": launch,
-           "gemm_curves_small": small, "gemm_small_k": small_k}
+    got: dict[str, Any] = {}
     for fn in extra:
         try:
-            out.update(fn(dev, sizes, progress, base))
+            got.update(fn(dev, sizes, progress, base))
         except Exception as e:  # a backend benchmark that breaks costs its numbers, not the calibration
-            progress.done(f"failed ({type(e).__name__}: {str(e)[:200]}); its fields keep the shipped values")
-    return out
+            progress.done(f"failed ({type(e).__name__}: {str(e)[:200]}); the generic benchmark stands in")
+    fast = {k: v for k, v in matmul.items() if v >= matmul["fp32"] * SLOW_FRACTION}
+    wanted = ("fp32",) if dev.type == "cpu" else ("bf16", "fp16")  # the compute dtypes the policy picks there
+    small_k = max(64, sizes.gemm_k // 8)
+    if "gemm_curves" not in got:
+        got["gemm_curves"] = {k: measure_small_m(dev, k, sizes, progress) for k in wanted if k in fast}
+        got["gemm_curves_small"] = {k: measure_small_m(dev, k, sizes, progress, small_k) for k in got["gemm_curves"]}
+        got["gemm_small_k"] = small_k
+    if "attention" not in got:
+        compute = next(iter(got["gemm_curves"]), "fp32")
+        got["attention"] = measure_paged_attention(dev, sizes, progress, TORCH_DTYPES[compute])
+    launch = measure_launches(dev, sizes, progress)
+    return {"sweep": sweep, "matmul": matmul, "launch": launch, **got}
 
 
 def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes | None = None, quick: bool = False,
-              progress: Progress | None = None, extra: list[Extra] = ()) -> dict[str, Any]:
-    """Run the micro-benchmarks on ``device`` ('cpu', 'cuda', 'cuda:1'; default: best here); a valid descriptor."""
+              progress: Progress | None = None, extra: list[Extra] = (), threads: int | None = None) -> dict[str, Any]:
+    """Run the micro-benchmarks on ``device`` ('cpu', 'cuda', 'cuda:1'; default: best here); a valid descriptor.
+
+    ``threads``: torch's intra-op thread count for the run (default: as it is); the numbers hold for
+    programs run with the same count, so it is recorded (``calibration.threads``) and `portlayer bench`
+    compares it with its own."""
     dev = resolve_device(device)
     if sizes is None:
         sizes = (GPU_QUICK if quick else GPU_FULL) if dev.type == "cuda" else (CPU_QUICK if quick else CPU_FULL)
     progress = progress or Progress(enabled=False)
     base_name = _base_descriptor(dev, base)
     raw = load_descriptor(base_name).raw
-    results = measure(dev, sizes, progress, extra, base_name)
+    with pinned_threads(threads) as n:
+        rounds = []
+        for i in range(max(1, sizes.rounds)):
+            if sizes.rounds > 1:
+                progress.start(f"round {i + 1}/{sizes.rounds}")
+                progress.done("the whole suite again; each number keeps its best round")
+            rounds.append(measure(dev, sizes, progress, extra, base_name))
+        results = merge_rounds(rounds)
+        results["threads"], results["clock"] = n, ("CUDA events (device time)" if dev.type == "cuda" else host_clock()[1])
+    if results.get("attention", {}).get("points"):  # the fit of the merged points, not the best of three fits
+        results["attention"].update(fit(results["attention"]["points"]))
+    seq = results.pop("torch_sequence", None)
+    if seq and seq.get("alone_us"):  # the ratio of the merged times (a ratio's best round would be its lowest)
+        results["torch_sequence_factor"] = sig(max(1.0, seq["sequence_us"] / seq["alone_us"]), 3)
+    if len(rounds) > 1:
+        worst = sorted(spread_pct(rounds).items(), key=lambda kv: -kv[1])[:8]
+        results["round_spread_pct"] = {k: sig(v, 3) for k, v in worst}
     return finish(raw, base_name, dev, sizes, results, "quick" if quick else "full")
 
 
@@ -184,18 +212,20 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "emulated_dtypes_tflops": slow, "bandwidth_sweep": results["sweep"],
             "cache_knee_bytes": cache_knee(results["sweep"]),
             "launch_us": {k: (sig(v) if v is not None else None) for k, v in launch.items()}
-            | ({"triton_us": results["triton_launch_us"]} if results.get("triton_launch_us") else {}),
+            | ({"triton_us": results["triton_launch_us"]} if results.get("triton_launch_us") else {})
+            | ({"torch_step_us": results["torch_step_us"]} if results.get("torch_step_us") else {}),
             "gemm_curves": results["gemm_curves"], "gemm_k": sizes.gemm_k, "attention": results["attention"],
             "gemm_curves_small": results.get("gemm_curves_small", {}), "gemm_small_k": results.get("gemm_small_k"),
             "torch": vers["torch"],
         },  # fmt: skip
     }
-    for key in ("gemm_crossover", "tuning"):
+    for key in ("gemm_crossover", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
+                "round_spread_pct"):
         if key in results:
             patch["calibration"][key] = results[key]
     sources["memory.bandwidth_gbps"] = f"{stamp}: device-to-device copy of {largest['bytes']} B, (read+write) bytes / time"
     for k in throughput:
-        sources[f"throughput_tflops.{k}"] = f"{stamp}: {sizes.matmul_n}^3 matmul, median of {sizes.reps}"
+        sources[f"throughput_tflops.{k}"] = f"{stamp}: {sizes.matmul_n}^3 matmul, median of the fastest half of {sizes.reps}"
     sources["launch_overhead_us"] = f"{stamp}: host time per tiny torch op launched eagerly"
     sources["compute_units.count"] = f"{stamp}: reported by the runtime"
     if facts.get("memory_bytes"):
@@ -218,9 +248,10 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
     return out
 
 
-def run_cli(device: str | None, base: str | None, quick: bool, extra: list[Extra] = ()) -> dict[str, Any]:
+def run_cli(device: str | None, base: str | None, quick: bool, extra: list[Extra] = (),
+            threads: int | None = None) -> dict[str, Any]:
     """What `portlayer calibrate` runs: progress on stderr, a total at the end."""
     progress = Progress(stream=sys.stderr)
-    desc = calibrate(device, base=base, quick=quick, progress=progress, extra=extra)
+    desc = calibrate(device, base=base, quick=quick, progress=progress, extra=extra, threads=threads)
     print(f"calibrate: done in {progress.elapsed:.1f}s ({'quick' if quick else 'full'})", file=sys.stderr)
     return desc

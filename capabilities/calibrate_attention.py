@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from portlayer.capabilities.calibrate_timing import Progress, Sizes, iters_for, sig, time_per_iter
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 from portlayer.flatten.ops import get_op
 
@@ -52,10 +52,14 @@ def _reference_runner(heads: tuple[int, int, int]) -> Callable[[list[torch.Tenso
 
 
 def fit(points: list[dict[str, Any]]) -> dict[str, float]:
-    """Least-squares time_us = fixed_us + per_seq_us * batch + kv_bytes / (gbps * 1e3), terms kept >= 0."""
+    """Least-squares time_us = fixed_us + per_seq_us * batch + kv_bytes / (gbps * 1e3), terms kept >= 0.
+
+    In relative error (each row divided by its time): the points span 1000x in time, and in absolute
+    error the largest one's noise would set the fixed cost that decides every small step."""
+    w = torch.tensor([1.0 / max(p["us"], 1e-9) for p in points], dtype=torch.float64)[:, None]
     a = torch.tensor([[1.0, p["batch"], p["kv_bytes"]] for p in points], dtype=torch.float64)
     y = torch.tensor([p["us"] for p in points], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0].clamp(min=0).tolist()
+    coef = torch.linalg.lstsq(a * w, (y[:, None] * w)).solution[:, 0].clamp(min=0).tolist()
     if coef[2] <= 0:  # no bandwidth term resolved: attribute the largest point's time to its bytes
         big = max(points, key=lambda p: p["kv_bytes"])
         coef[2] = big["us"] / big["kv_bytes"]
@@ -73,7 +77,7 @@ def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progre
         for batch, context in sizes.attn_points:
             ins, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, device)
             fn = lambda ins=ins, ctx=ctx: run(ins, ctx)  # noqa: E731
-            t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 200), sizes.warmup, sizes.reps)
+            t = measure_s(fn, device, sizes, 2 * sizes.budget_s, 200)
             points.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "us": sig(t * 1e6),
                            "gbps": sig(kv_bytes / t / 1e9)})
     f = fit(points)

@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from portlayer.capabilities.calibrate_timing import Progress, Sizes, iters_for, sig, sync, time_per_iter
+from portlayer.capabilities.calibrate_timing import (
+    Progress,
+    Sizes,
+    iters_for,
+    measure_s,
+    sig,
+    sync,
+    time_per_iter,
+)
 
 MATMUL_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -73,21 +81,27 @@ def measure_matmuls(device: torch.device, sizes: Sizes, progress: Progress) -> d
     return out
 
 
-def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress,
-                    k: int | None = None) -> list[dict[str, Any]]:
-    """The vendor GEMM as the compiled program calls it (torch.mm(x, W.t(), out=...)) at M rows x K=N=k
-    (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its size)."""
+def _vendor_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Any:
+    return torch.mm(x, w.t(), out=out)
+
+
+def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress, k: int | None = None,
+                    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] = _vendor_mm,
+                    label: str = "torch.mm") -> list[dict[str, Any]]:
+    """The vendor GEMM as the compiled program calls it (``run(x, W, out)``, default torch.mm(x, W.t(), out=...))
+    at M rows x K=N=k (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its
+    size). A backend passes the call its programs make (the torch family: the linear op through host_support.ref)."""
     k = k or sizes.gemm_k
     w = torch.randn(k, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
     rows = []
-    progress.start(f"decode GEMM curve {dtype} M={list(sizes.gemm_ms)} K=N={k}")
+    progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} K=N={k}")
     for m in sizes.gemm_ms:
         x = torch.randn(m, k, device=device, dtype=w.dtype)
         out = torch.empty(m, k, device=device, dtype=w.dtype)
-        fn = lambda x=x, out=out: torch.mm(x, w.t(), out=out)  # noqa: E731
+        fn = lambda x=x, out=out: run(x, w, out)  # noqa: E731
         fn()
         sync(device)
-        t = time_per_iter(fn, device, iters_for(fn, device, 0.05, 200), sizes.warmup, sizes.reps, graphed=True)
+        t = measure_s(fn, device, sizes, sizes.budget_s, 200, graphed=True)
         moved = (m * k + k * k + m * k) * w.element_size()
         rows.append({"m": m, "tflops": sig(2 * m * k * k / t / 1e12), "gbps": sig(moved / t / 1e9), "us": sig(t * 1e6)})
     progress.done(", ".join(f"M={r['m']} {r['tflops']:g} TFLOP/s" for r in rows))

@@ -6,12 +6,11 @@ costs once the step is captured into a CUDA graph, is most of that step's time.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
-from portlayer.capabilities.calibrate_timing import Progress, Sizes, sync
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sync, trimmed
 
 
 def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
@@ -20,6 +19,8 @@ def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
     for _ in range(100):
         x.add_(1)
     sync(device)
+    if device.type != "cuda":  # the host clock of every CPU benchmark, the fastest half of many short runs
+        return measure_s(lambda: x.add_(1), device, sizes, sizes.budget_s, sizes.launches) * 1e6
     runs = []
     for _ in range(max(1, sizes.reps)):
         t0 = time.perf_counter()
@@ -27,7 +28,7 @@ def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
             x.add_(1)
         sync(device)
         runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) / sizes.launches * 1e6
+    return trimmed(runs) / sizes.launches * 1e6
 
 
 def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200) -> float | None:
@@ -56,7 +57,7 @@ def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200)
             graph.replay()
         sync(device)
         runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) / (reps * kernels) * 1e6
+    return trimmed(runs) / (reps * kernels) * 1e6
 
 
 def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
@@ -75,19 +76,11 @@ def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
         for op, ins, attrs in calls:
             op.reference(ins, attrs)
 
-    n = max(1, sizes.launches // 20)
     with torch.inference_mode():
         for _ in range(10):
             run()
         sync(device)
-        runs = []
-        for _ in range(max(1, sizes.reps)):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                run()
-            sync(device)
-            runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) / (n * len(calls)) * 1e6
+        return measure_s(run, device, sizes, sizes.budget_s, max(1, sizes.launches // 20)) / len(calls) * 1e6
 
 
 def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> dict[str, float | None]:

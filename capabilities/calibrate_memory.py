@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from portlayer.capabilities.calibrate_timing import Progress, Sizes, iters_for, sig, time_per_iter
+from portlayer.capabilities.calibrate_timing import Progress, Sizes, measure_s, sig
 
 
 def sweep_sizes(largest: int) -> list[int]:
@@ -31,9 +31,12 @@ def _bandwidth(n_bytes: int, device: torch.device, sizes: Sizes) -> tuple[float,
     cap = max(sizes.iters, int(sizes.iters * sizes.copy_bytes / max(n_bytes, 1)))
     read = lambda: torch.sum(src, dim=0, out=out)  # noqa: E731
     copy = lambda: dst.copy_(src)  # noqa: E731
-    cap = min(cap, 2000 if device.type != "cuda" else 200)  # a captured graph holds every call
-    t_read = time_per_iter(read, device, iters_for(read, device, 0.05, cap), sizes.warmup, sizes.reps, graphed=True)
-    t_copy = time_per_iter(copy, device, iters_for(copy, device, 0.05, cap), sizes.warmup, sizes.reps, graphed=True)
+    if device.type == "cuda":
+        cap = min(cap, 200)  # a captured graph holds every call
+    else:
+        cap = 1 << 20  # the time budget decides
+    t_read = measure_s(read, device, sizes, sizes.budget_s, cap, graphed=True)
+    t_copy = measure_s(copy, device, sizes, sizes.budget_s, cap, graphed=True)
     return 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
 
 

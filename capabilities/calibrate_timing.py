@@ -1,16 +1,20 @@
 """Timing and progress for the calibration micro-benchmarks.
 
-Every benchmark times the same way (device events on a GPU, perf_counter on the CPU, the
-median of a few repetitions so one noisy slice of a shared host does not set the number)
-and announces itself on stderr, so a user sees what runs and how long each part takes.
+Every benchmark times the same way and announces itself on stderr, so a user sees what runs
+and how long each part takes. Device events on a GPU; on the CPU the process's CPU time when
+torch runs one thread (time the host gave to other processes does not count: on a shared host
+the wall clock measures the neighbours) and the wall clock otherwise. Interference only ever
+slows a run down, so the number kept is the median of the fastest half of many short
+repetitions (``trimmed``), after a warm-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -34,23 +38,26 @@ class Sizes:
     warmup: int
     launches: int
     max_seconds_per_dtype: float
-    reps: int = 3  # repetitions; the median is kept
+    reps: int = 3  # repetitions; the median of the fastest half is kept (``trimmed``)
+    budget_s: float = 0.1  # time one measurement may take (its reps share it)
+    rounds: int = 1  # the whole suite this many times, the median per number (calibrate_rounds.py)
     gemm_k: int = 1024  # K = N of the small-M (decode) GEMM curve
     gemm_ms: tuple[int, ...] = (1, 4, 16, 64, 256)
     attn_points: tuple[tuple[int, int], ...] = ((1, 256), (8, 256))  # (batch, context) of the paged read
     attn_heads: tuple[int, int, int] = (8, 2, 64)  # q heads, kv heads, head dim
 
 
-CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=1, launches=2000, max_seconds_per_dtype=0.6,
-                  gemm_ms=(1, 4, 16, 64, 256), attn_points=((1, 128), (8, 128), (1, 1024), (8, 1024)))  # fmt: skip
-CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=1, launches=5000, max_seconds_per_dtype=2.0,
-                 reps=5, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=3, launches=20000, max_seconds_per_dtype=0.25,
+                  reps=7, budget_s=0.07, rounds=3, gemm_ms=(1, 4, 16, 64, 256),
+                  attn_points=((1, 128), (8, 128), (32, 128), (1, 1024), (8, 1024), (32, 1024)))  # fmt: skip
+CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launches=50000, max_seconds_per_dtype=1.5,
+                 reps=11, budget_s=0.3, rounds=3, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                  attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
 GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
-                  gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048), attn_points=((1, 1024), (16, 1024), (64, 1024)),
+                  reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048), attn_points=((1, 1024), (16, 1024), (64, 1024)),
                   attn_heads=(16, 8, 128))  # fmt: skip
 GPU_FULL = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=6.0,
-                 reps=5, gemm_k=4096, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+                 reps=7, budget_s=0.15, gemm_k=4096, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
                  attn_points=((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128))  # fmt: skip
 CPU_SIZES, GPU_SIZES = CPU_QUICK, GPU_FULL  # names kept for callers of the first calibrate
 
@@ -58,6 +65,34 @@ CPU_SIZES, GPU_SIZES = CPU_QUICK, GPU_FULL  # names kept for callers of the firs
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_clock() -> tuple[Callable[[], float], str]:
+    """The clock host-side timings use: process CPU time when torch runs one thread, else the wall clock.
+
+    With one thread, CPU time is what the step costs whatever else the host runs; with several,
+    idle OpenMP workers spin and CPU time overstates, so the wall clock is the only honest one."""
+    if torch.get_num_threads() == 1:
+        return time.process_time, "process CPU time (1 torch thread)"
+    return time.perf_counter, f"wall clock ({torch.get_num_threads()} torch threads)"
+
+
+def trimmed(samples: Sequence[float]) -> float:
+    """The median of the fastest half: a neighbour's burst only ever adds time, so the slow half is noise."""
+    s = sorted(samples)
+    return statistics.median(s[: max(1, (len(s) + 1) // 2)])
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int | None) -> Iterator[int]:
+    """torch's intra-op thread count fixed to ``threads`` (None: as it is) for the block; yields the count."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _once(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
@@ -69,15 +104,17 @@ def _once(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
+    now = host_clock()[0]
+    t0 = now()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - t0) / iters
+    sync(device)
+    return (now() - t0) / iters
 
 
 def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int, reps: int = 1,
                   graphed: bool = False) -> float:
-    """Seconds per call, the median of ``reps`` runs of ``iters`` calls after ``warmup``.
+    """Seconds per call: ``trimmed`` over ``reps`` runs of ``iters`` calls, after ``warmup`` calls.
 
     ``graphed`` (CUDA): the ``iters`` calls are captured once into a CUDA graph and replayed, so a
     small kernel's time is its device time, not the host's launch rate (a decode step replays a
@@ -88,8 +125,8 @@ def time_per_iter(fn: Callable[[], Any], device: torch.device, iters: int, warmu
     if graphed and device.type == "cuda":
         replay = _captured(fn, device, iters)
         if replay is not None:
-            return statistics.median(_once(replay, device, 1) for _ in range(max(1, reps))) / iters
-    return statistics.median(_once(fn, device, iters) for _ in range(max(1, reps)))
+            return trimmed([_once(replay, device, 1) for _ in range(max(1, reps))]) / iters
+    return trimmed([_once(fn, device, iters) for _ in range(max(1, reps))])
 
 
 def _captured(fn: Callable[[], Any], device: torch.device, iters: int) -> Callable[[], Any] | None:
@@ -111,12 +148,25 @@ def _captured(fn: Callable[[], Any], device: torch.device, iters: int) -> Callab
 
 
 def iters_for(fn: Callable[[], Any], device: torch.device, budget_s: float, cap: int) -> int:
-    """How many calls fit ``budget_s`` (one timed call decides; at least 1, at most ``cap``)."""
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    first = time.perf_counter() - t0
+    """How many calls fit ``budget_s`` of wall time (the median of three timed calls decides, so neither the
+    first call's warm-up nor one lucky call does; at least 1, at most ``cap``). Wall time on purpose: the
+    budget is the user's wait, whatever clock the timing then uses."""
+    calls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        calls.append(time.perf_counter() - t0)
+    first = statistics.median(calls)
     return max(1, min(cap, int(budget_s / max(first, 1e-7))))
+
+
+def measure_s(fn: Callable[[], Any], device: torch.device, sizes: Sizes, budget_s: float, cap: int = 10_000,
+              graphed: bool = False) -> float:
+    """Seconds per call within about ``budget_s``: ``sizes.reps`` runs sized to share it, ``trimmed``."""
+    reps = max(1, sizes.reps)
+    iters = iters_for(fn, device, budget_s / reps, cap)
+    return time_per_iter(fn, device, iters, sizes.warmup, reps, graphed=graphed)
 
 
 class Progress:

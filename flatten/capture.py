@@ -66,13 +66,19 @@ def _read_sentence_transformer(path: Path) -> SentenceTransformerInfo | None:
     return SentenceTransformerInfo(pooling, normalize, int(max_len) if max_len else None)
 
 
+#: set to 0 to load safetensors weights with transformers' copying loader instead of memory maps
+MAPPED_ENV = "PORTLAYER_MAPPED_LOAD"
 #: set to 1 to skip the non-finite check of loaded weights (it reads every tensor once: minutes on huge models)
 SKIP_FINITE_ENV = "PORTLAYER_SKIP_WEIGHT_FINITE_CHECK"
 
 
 def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
-                  check_finite: bool | None = None) -> torch.nn.Module:
+                  check_finite: bool | None = None, mapped: bool | None = None) -> torch.nn.Module:
     """Load a local HF directory (config.json + weights) without touching the network.
+
+    Safetensors weights are bound as memory maps (flatten/checkpoint.py: no copy of the model in
+    memory) unless ``mapped=False`` or $PORTLAYER_MAPPED_LOAD=0; quantized checkpoints and
+    pickled weights take transformers' own file loading.
 
     Refused, naming the file or the tensors: an unreadable config.json or model type, a
     corrupt or truncated safetensors file, tensors whose shapes do not match the config,
@@ -106,10 +112,21 @@ def load_hf_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None
                               "ignore_mismatched_sizes": True}  # mismatches are reported below, by name
     if dtype is not None:
         kwargs["dtype"] = dtype
+    from portlayer.flatten import checkpoint
+
+    files = checkpoint.checkpoint_files(p)
+    if mapped is None:
+        mapped = os.environ.get(MAPPED_ENV, "1") != "0"
+    mapped = mapped and bool(files) and getattr(config, "quantization_config", None) is None
+    binding = None
     try:
-        model, info = cls.from_pretrained(str(p), config=config, **kwargs)
+        if mapped:
+            model, info, binding = checkpoint.load_mapped(checkpoint.model_class(cls, config), config, files, kwargs)
+        else:
+            model, info = cls.from_pretrained(str(p), config=config, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise CaptureError(f"could not load the model in {p}: {type(e).__name__}: {str(e)[:1000]}") from None
+    model._portlayer_binding = binding.to_json() if binding else {"weights": "copied by from_pretrained"}  # type: ignore[assignment]
     _check_loading_info(p, model, info, archs)
     if check_finite if check_finite is not None else os.environ.get(SKIP_FINITE_ENV) != "1":
         _check_finite(p, model)
@@ -170,9 +187,20 @@ def _check_loading_info(p: Path, model: torch.nn.Module, info: dict[str, Any], a
     model._portlayer_missing_weights = {k: state[k].data_ptr() for k in missing}  # type: ignore[assignment]
 
 
+def _has_nonfinite(t: torch.Tensor) -> bool:
+    """NaN or Inf anywhere in ``t``: min and max in one pass (NaN propagates through both; ~30x
+    faster than isfinite().all(), which also allocates a bool copy of the tensor)."""
+    if not t.is_floating_point() or not t.numel():
+        return False
+    try:
+        lo, hi = torch.aminmax(t.detach())
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax on this build (float8)
+        return not bool(torch.isfinite(t).all())
+    return not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))
+
+
 def _check_finite(p: Path, model: torch.nn.Module) -> None:
-    bad = [n for n, t in model.state_dict().items()
-           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    bad = [n for n, t in model.state_dict().items() if _has_nonfinite(t)]
     if bad:
         raise CaptureError(f"{p}: {len(bad)} weight tensors hold NaN or Inf: {', '.join(bad[:10])}; the checkpoint is "
                            f"damaged (set {SKIP_FINITE_ENV}=1 to skip this check)")
@@ -338,6 +366,7 @@ def capture(
     raise_patterns: bool = True,
     progress: Callable[[str], None] | None = None,
     verify: bool = True,
+    repeat_layers: bool = True,
 ) -> Graph:
     """Capture an HF model (an nn.Module or a local HF directory) as a Flat IR graph.
 
@@ -347,9 +376,10 @@ def capture(
     [num_seqs, hidden] for sentence-transformers directories.
 
     ``verify`` (default) runs flatten/selfcheck.py: the graph against the model's own
-    forward at lengths crossing its windows; a mismatch raises SelfCheckError.
+    forward at lengths crossing its windows; a mismatch raises SelfCheckError. With it on and
+    ``repeat_layers`` (default), a model whose layers are all the same program is exported with
+    three layers and the third repeated (flatten/layer_repeat.py; the self-check covers it).
     """
-    from portlayer.flatten.from_export import convert_exported_program
     from portlayer.flatten.patterns import raise_patterns as run_patterns
 
     say = progress or (lambda _msg: None)
@@ -378,7 +408,40 @@ def capture(
 
     facts = model_facts(module)
     max_tokens = int(facts.get("max_positions") or 4096)
-    say("exporting with torch.export")
+    from portlayer.flatten import layer_repeat
+
+    container = layer_repeat.uniform_layers(module) if (verify and raise_patterns and repeat_layers) else None
+    graph = None
+    if container:  # identical layers: export three, repeat the third (flatten/layer_repeat.py)
+        say(f"exporting {layer_repeat.KEEP} of {facts.get('num_layers')} identical layers with torch.export")
+        with layer_repeat.truncated(module, container):
+            short = _export_and_convert(module, max_tokens, say)
+        _annotate(short, module, facts, source)
+        say("raising patterns to portable ops")
+        graph = layer_repeat.repeat_layers(run_patterns(short), module, container)
+        if graph is None:
+            say("the layers' programs differ: exporting every layer")
+    if graph is None:
+        say("exporting with torch.export")
+        graph = _export_and_convert(module, max_tokens, say)
+        _annotate(graph, module, facts, source)
+        if raise_patterns:
+            say("raising patterns to portable ops")
+            graph = run_patterns(graph)
+    check_missing_weights(module, graph)
+    _verify(graph, module, verify, say)
+    if st_info is not None and st_info.pooling is not None:
+        from portlayer.flatten.pooling import append_pooling
+
+        graph = append_pooling(graph, st_info.pooling, st_info.normalize)
+        if st_info.max_seq_length:
+            graph.meta["max_seq_length"] = st_info.max_seq_length
+    return graph
+
+
+def _export_and_convert(module: torch.nn.Module, max_tokens: int, say: Callable[[str], None]) -> Graph:
+    from portlayer.flatten.from_export import convert_exported_program
+
     ep = export_token_stream(module, max_tokens=max(max_tokens, 8))
     if not any(getattr(m, "_portlayer_attention_seen", False) for m in module.modules()):
         raise CaptureError(
@@ -389,27 +452,21 @@ def capture(
             "OPT, GPT-2, BERT, RoBERTa, ..."
         )
     say("converting to the Flat IR")
-    graph = convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
-    check_missing_weights(module, graph)
-    graph.meta.update(facts)
-    graph.meta.update(_kv_facts(graph))
+    return convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
+
+
+def _annotate(graph: Graph, module: torch.nn.Module, facts: dict[str, Any], source: str | None) -> None:
+    """Model-level facts in graph.meta (before the pattern rewrites, which read max_positions)."""
     from portlayer.flatten.task import task_of_model
 
+    graph.meta.update(facts)
+    graph.meta.update(_kv_facts(graph))
     graph.meta["task"] = task_of_model(module)
     graph.meta["token_symbol"] = TOKEN_SYMBOL
     if source:
         graph.meta["source"] = source
-    if raise_patterns:
-        say("raising patterns to portable ops")
-        graph = run_patterns(graph)
-    _verify(graph, module, verify, say)
-    if st_info is not None and st_info.pooling is not None:
-        from portlayer.flatten.pooling import append_pooling
-
-        graph = append_pooling(graph, st_info.pooling, st_info.normalize)
-        if st_info.max_seq_length:
-            graph.meta["max_seq_length"] = st_info.max_seq_length
-    return graph
+    if getattr(module, "_portlayer_binding", None):
+        graph.meta["weights_binding"] = dict(module._portlayer_binding)
 
 
 def _verify(graph: Graph, module: torch.nn.Module, verify: bool, say: Callable[[str], None]) -> None:

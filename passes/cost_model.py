@@ -158,6 +158,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     elif not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
         per_launch = curves.generated_launch_us
     groups, launches, host_us = [], 0, 0.0
+    per_node = torch_family and bool(curves.torch_nodes)  # calibrated per op through host_support.ref
+    prev_bytes = 0  # what the group before moved: past the cache knee, this one starts cold
     for rec in kernels:
         members = [by_name[n] for n in rec["nodes"] if n in by_name]
         compute = [n for n in members if get_op(n.op).kind != "view"]
@@ -168,23 +170,38 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         launches += n_launch
         attn = _attention(compute, types, phase, batch, context, new_tokens)
         gemm = _gemm(compute, graph, types, b)
+        launch_us = n_launch * per_launch
         if attn is not None:
             kv, aflops, kv_dtype, scores = attn
             work = max(kv, scores) if torch_family else kv  # torch ops write the [heads, q, k] scores; a fused kernel does not
-            dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family) + curves.memory_us(nbytes)
+            dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family,
+                                         cold=per_node and curves.sweeps_caches(prev_bytes))
+            if per_node and curves.batched_attention():  # the fit timed the whole call the program makes
+                launch_us = 0.0
+            else:
+                dev_us += curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
         elif gemm is not None:
             dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype,
                                     path=_gemm_path(descriptor, rec, gemm[0], torch_family))
             bound = "compute" if flops / (curves.peak_tflops(dtype) * 1e6) > nbytes / (curves.bandwidth_gbps * 1e3) else "memory"
+            if per_node:  # the GEMM curve was timed through the linear op's reference call: its host cost included
+                launch_us = 0.0
+        elif per_node:  # each node: its op's calibrated call, the first carrying the group's bytes
+            cold = curves.sweeps_caches(prev_bytes)
+            dev_us = sum(curves.torch_node_us(n.op, get_op(n.op).kind, nbytes if i == 0 else 0.0, cold and i == 0)
+                         for i, n in enumerate(compute))
+            launch_us, bound = 0.0, "launch"
         else:
             dev_us, bound = curves.memory_us(nbytes), "memory"
-        launch_us = n_launch * per_launch
         host_us += launch_us
         us = dev_us + launch_us if torch_family else (max(dev_us, per_launch) if graphs else dev_us)
         if dev_us < per_launch:
             bound = "launch"
         groups.append(GroupTime(rec["name"], rec.get("family", "?"), _layer_of(compute[0]), us, nbytes, flops, bound))
+        prev_bytes = nbytes
+    if per_node and curves.torch_step_us:  # run(): the step state, once
+        groups.append(GroupTime("step", "host", "other", curves.torch_step_us, 0, 0, "launch"))
     device_us = sum(g.us for g in groups)
     if torch_family:  # the host runs every op itself: times add
         total = device_us

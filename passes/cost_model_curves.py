@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+#: the calibrated op whose costs stand in for an uncalibrated op of the same kind (flatten/ops.py kinds)
+REPRESENTATIVE = {"pointwise": "mul", "reduction": "softmax", "data": "index_select", "sequence": "softmax"}
 DTYPE_KEYS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "float64": "fp64"}
 
 
@@ -55,6 +57,11 @@ class Curves:
     crossover_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
     attention_kernel: str | None = None  # what the attention calibration timed
+    torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
+    torch_step_us: float = 0.0  # torch family: what run() pays once per step (the step state)
+    threads: int | None = None  # torch threads the calibration ran with
+    host_factor: float = 1.0  # torch family: one-token calls in a program's sequence vs each in a tight loop
+    cache_bytes: int | None = None  # the sweep's cache knee: a kernel moving more leaves the next one cold
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -86,6 +93,9 @@ class Curves:
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
+            torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
+            threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
+            cache_bytes=cal.get("cache_knee_bytes"),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:
@@ -102,6 +112,25 @@ class Curves:
         if nbytes <= sizes[0]:  # below the sweep: the smallest kernel's time is the floor
             return sizes[0] / (gbps[0] * 1e3)
         return nbytes / (interp_log(nbytes, sizes, gbps) * 1e3)
+
+    def torch_node_us(self, op: str, kind: str, nbytes: float, cold: bool = False) -> float | None:
+        """A torch-family node: its op's fixed cost through host_support.ref (in a program's sequence, or
+        ``cold``: right after a kernel that swept the caches) plus the part that grows with its bytes,
+        scaled from the calibrated cache-resident point along the bandwidth sweep; None when not
+        calibrated. An op not in the table takes a calibrated op of its kind (REPRESENTATIVE)."""
+        if not self.torch_nodes:
+            return None
+        e = self.torch_nodes.get(op) or self.torch_nodes.get(REPRESENTATIVE.get(kind, ""))
+        if e is None:
+            e = sorted(self.torch_nodes.values(), key=lambda v: v["us"])[len(self.torch_nodes) // 2]
+        lo, hi = self.memory_us(e["bytes"]), self.memory_us(e["big_bytes"])
+        grow = max(0.0, e["big_us"] - e["us"])
+        warm = e["us"] * self.host_factor
+        fixed = max(warm, float(e.get("cold_us") or 0.0)) if cold else warm
+        if hi > lo:
+            return fixed + grow * max(0.0, self.memory_us(nbytes) - lo) / (hi - lo)
+        span = max(1.0, e["big_bytes"] - e["bytes"])
+        return fixed + grow * max(0.0, nbytes - e["bytes"]) / span
 
     def floor_us(self) -> float:
         return self.memory_us(1.0) if self.sweep else 0.0
@@ -122,20 +151,37 @@ class Curves:
         if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
             lo, k0 = _at(small, m), self.gemm_small_k
             per = max(0.0, (at - lo) / (self.gemm_k**2 - k0**2))
-            fixed = max(0.0, lo - per * k0**2)
+            fixed = max(0.0, lo - per * k0**2) * (self.host_factor if self.torch_nodes else 1.0)
             return max(fixed + per * k * n, floor)
         base = min(self.floor_us(), curve[0][1] * 0.5)
         return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
 
-    def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool) -> float:
-        """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs."""
+    def sweeps_caches(self, nbytes: float) -> bool:
+        """Does a kernel moving ``nbytes`` leave the next one cold (more than the sweep's cache knee)?"""
+        return bool(self.cache_bytes) and nbytes > float(self.cache_bytes)
+
+    def cold_factor(self) -> float:
+        """Median over the calibrated ops of cold / warm fixed cost (1 when not measured)."""
+        r = sorted(v["cold_us"] / v["us"] for v in (self.torch_nodes or {}).values() if v.get("cold_us") and v["us"] > 0)
+        return max(1.0, r[len(r) // 2]) if r else 1.0
+
+    def batched_attention(self) -> bool:
+        """The attention fit timed one batched call per step (the torch family's sdpa), not the op reference."""
+        return "sdpa" in str(self.attention_kernel or "") and self.attention is not None
+
+    def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool,
+                     cold: bool = False) -> float:
+        """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs.
+        ``cold`` (torch family): right after a kernel that swept the caches, its host part costs ``cold_factor``x."""
         compute = flops / (self.peak_tflops(dtype) * 1e6)
-        batched = "sdpa" in str(self.attention_kernel or "")  # one call for the whole step: the fit's terms
+        batched = self.batched_attention()  # one call for the whole step: the fit's terms
         k = self.ops_per_sequence() if torch_family and not batched else None
         if k is not None:  # per sequence: k ops, each costing what the sweep says an op of that size costs
             return batch * k * self.memory_us(kv_bytes / max(batch, 1)) + compute
         if torch_family and self.attention:
-            a = self.attention
-            return a["fixed_us"] + a["per_seq_us"] * batch + kv_bytes / (a["gbps"] * 1e3) + compute
+            a, f = self.attention, (self.host_factor if self.torch_nodes else 1.0)
+            if cold:
+                f = max(f, self.cold_factor())
+            return (a["fixed_us"] + a["per_seq_us"] * batch) * f + kv_bytes / (a["gbps"] * 1e3) + compute
         # the cache is read once per step: at the DRAM/HBM rate, not the cache-hot rate of a small sweep size
         return max(self.memory_us(kv_bytes), kv_bytes / (self.bandwidth_gbps * 1e3), compute)

@@ -2,7 +2,12 @@
 
 It times the executable directly (no scheduler), so the numbers are the compiled
 program's: one prefill of N tokens, and decode steps at a few batch sizes against a
-paged KV cache holding ``context`` tokens per sequence.
+paged KV cache holding ``context`` tokens per sequence. The steps are timed in ``rounds``
+interleaved passes (prefill, each decode batch, then again), so a slow spell of a shared host
+lands on one pass of every step rather than on all passes of one. Each step reports the median
+wall time over every pass (``step_ms`` / ``latency_ms``); on the CPU with one torch thread also
+the process's CPU time, the best pass's median (``cpu_ms``): the clock and estimator
+`portlayer calibrate` uses, which the predicted column is compared with.
 """
 
 from __future__ import annotations
@@ -24,16 +29,43 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
-def _time(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
+def _cpu_clock(device: torch.device) -> bool:
+    """Process CPU time is the step's cost only on the CPU with one torch thread (idle workers spin otherwise)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
+
+
+def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> tuple[list[float], list[float]]:
+    """``iters`` timed calls: (wall seconds, process CPU seconds) per call."""
+    wall, cpu = [], []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         _sync(device)
-        out.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def _timed_rounds(steps: Sequence[Callable[[], Any]], device: torch.device, warmup: int, iters: int,
+                  rounds: int) -> list[dict[str, Any]]:
+    """Each step warmed up, then ``rounds`` interleaved passes of ``iters`` calls of every step."""
+    for fn in steps:
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    walls: list[list[float]] = [[] for _ in steps]
+    cpus: list[list[float]] = [[] for _ in steps]
+    for _ in range(max(1, rounds)):
+        for i, fn in enumerate(steps):
+            w, c = _time(fn, device, iters)
+            walls[i] += w
+            cpus[i].append(statistics.median(c))
+    out = []
+    for w, c in zip(walls, cpus):
+        row = {"ms": statistics.median(w) * 1e3, "min_ms": min(w) * 1e3}
+        if _cpu_clock(device):
+            row["cpu_ms"] = min(c) * 1e3
+        out.append(row)
     return out
 
 
@@ -47,7 +79,7 @@ def max_positions(graph: Any) -> int:
 
 
 def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_sizes: Sequence[int] = (1, 8),
-          warmup: int = 2, iters: int = 10) -> dict[str, Any]:
+          warmup: int = 2, iters: int = 10, rounds: int = 3) -> dict[str, Any]:
     from portlayer.runtime.validation import new_kv_cache, step_metadata
 
     exe = loaded.executable()
@@ -62,38 +94,46 @@ def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_s
     report: dict[str, Any] = {
         "artifact": str(loaded.path), "model": loaded.manifest.model.get("spec"), "target": loaded.descriptor.name,
         "device": str(dev), "dtype": str(exe.dtype).removeprefix("torch."), "executable": type(exe).__name__,
-    }
+        "threads": torch.get_num_threads(), "rounds": rounds, "iters": iters,
+        "clock": "wall; process CPU time (cpu_ms)" if _cpu_clock(dev) else "wall",
+    }  # fmt: skip
     ids = torch.randint(0, vocab, (prefill_tokens,), generator=g).to(dev)
     feeds = {"input_ids": ids, "positions": torch.arange(prefill_tokens, device=dev)}
     md = step_metadata([prefill_tokens], [0], block_size=None, max_len=prefill_tokens, device=dev)
     names = [v.name for v in graph.inputs]
     feed_last_rows(feeds, names, md)
+    steps = [lambda: exe.run(feeds, md, None)]
+    for b in batch_sizes if causal else ():
+        caches = new_kv_cache(graph, b, context + 1, block, exe.dtype, dev)
+        mdd = step_metadata([1] * b, [context] * b, block_size=block, max_len=context + 1, device=dev)
+        fd = {"input_ids": torch.randint(0, vocab, (b,), generator=g).to(dev),
+              "positions": torch.full((b,), context, dtype=torch.int64, device=dev)}
+        feed_last_rows(fd, names, mdd)
+        steps.append(lambda fd=fd, mdd=mdd, caches=caches: exe.run(fd, mdd, caches))
     with torch.inference_mode():
-        t = _time(lambda: exe.run(feeds, md, None), dev, warmup, iters)
-    med = statistics.median(t)
-    report["prefill"] = {"tokens": prefill_tokens, "latency_ms": med * 1e3, "tokens_per_s": prefill_tokens / med,
-                         "min_ms": min(t) * 1e3}
+        timed = _timed_rounds(steps, dev, warmup, iters, rounds)
+    p = timed[0]
+    report["prefill"] = {"tokens": prefill_tokens, "latency_ms": p["ms"], "tokens_per_s": prefill_tokens / p["ms"] * 1e3,
+                         "min_ms": p["min_ms"], **({"cpu_ms": p["cpu_ms"]} if "cpu_ms" in p else {})}
     report["decode"] = []
-    if causal:
-        for b in batch_sizes:
-            caches = new_kv_cache(graph, b, context + 1, block, exe.dtype, dev)
-            mdd = step_metadata([1] * b, [context] * b, block_size=block, max_len=context + 1, device=dev)
-            fd = {"input_ids": torch.randint(0, vocab, (b,), generator=g).to(dev),
-                  "positions": torch.full((b,), context, dtype=torch.int64, device=dev)}
-            feed_last_rows(fd, names, mdd)
-            with torch.inference_mode():
-                t = _time(lambda fd=fd, mdd=mdd, caches=caches: exe.run(fd, mdd, caches), dev, warmup, iters)
-            med = statistics.median(t)
-            report["decode"].append({"batch": b, "context": context, "step_ms": med * 1e3, "tokens_per_s": b / med,
-                                     "min_ms": min(t) * 1e3})
+    for b, t in zip(batch_sizes if causal else (), timed[1:]):
+        report["decode"].append({"batch": b, "context": context, "step_ms": t["ms"], "tokens_per_s": b / t["ms"] * 1e3,
+                                 "min_ms": t["min_ms"], **({"cpu_ms": t["cpu_ms"]} if "cpu_ms" in t else {})})
     return report
 
 
+def measured_ms(row: dict[str, Any]) -> float:
+    """The figure a prediction is compared with: CPU time where it was taken (one-thread CPU), else the wall median."""
+    return float(row.get("cpu_ms") or row.get("step_ms") or row["latency_ms"])
+
+
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"bench {r['model']} for {r['target']} on {r['device']} ({r['dtype']}, {r['executable']})"]
+    lines = [f"bench {r['model']} for {r['target']} on {r['device']} ({r['dtype']}, {r['executable']}, "
+             f"{r.get('threads', '?')} torch threads, {r.get('rounds', 1)} rounds x {r.get('iters', '?')} iters)"]
     p = r["prefill"]
-    lines.append(f"  prefill  {p['tokens']:>5} tokens   {p['latency_ms']:9.2f} ms   {p['tokens_per_s']:11.1f} tok/s")
+    cpu = lambda row: f"   cpu {row['cpu_ms']:9.2f} ms" if "cpu_ms" in row else ""  # noqa: E731
+    lines.append(f"  prefill  {p['tokens']:>5} tokens   {p['latency_ms']:9.2f} ms   {p['tokens_per_s']:11.1f} tok/s{cpu(p)}")
     for d in r["decode"]:
         lines.append(f"  decode   batch {d['batch']:>3}      {d['step_ms']:9.2f} ms/step {d['tokens_per_s']:9.1f} tok/s"
-                     f"  (context {d['context']})")
+                     f"  (context {d['context']}){cpu(d)}")
     return "\n".join(lines)

@@ -367,9 +367,19 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
             }
             if binaries:
                 manifest["binaries"] = binaries_summary(w.dir)
+            manifest["capture"] = capture_summary(graph, options)
             if gate_doc is not None:
                 manifest["quality_gate"] = gate_doc
             return w.commit(manifest)
+
+
+def capture_summary(graph: Graph, options: dict[str, Any]) -> dict[str, Any]:
+    """How the capture read the model (issue 20): weights memory-mapped or copied, layers exported
+    once and repeated, and what the self-check compared (the full model's own forward)."""
+    out: dict[str, Any] = {k: graph.meta[k] for k in ("weights_binding", "layers_repeated") if k in graph.meta}
+    out["self_check"] = ("full model: the graph against HF's forward, every layer" if options.get("verify", True)
+                         else "skipped (--no-verify)")
+    return out
 
 
 def _history(result: Any) -> list[dict[str, Any]]:

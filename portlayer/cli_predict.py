@@ -44,20 +44,26 @@ def explain_predict(model: str, target: Any, overrides: dict[str, Any], calibrat
 
 def bench_predictions(loaded: Any, report: dict[str, Any], calibration: str | None) -> tuple[str, list[dict[str, Any]]]:
     """Predicted beside measured for every step ``bench`` timed; lines and JSON rows."""
+    from portlayer.bench import measured_ms
     from portlayer.passes.cost_model import predict
 
     raw = calibration_raw(calibration, dict(loaded.descriptor.raw))
     rows = []
     p = report["prefill"]
     pred = predict(loaded.graph, loaded.plan, raw, "prefill", tokens=p["tokens"])
-    rows.append({"step": f"prefill {p['tokens']} tok", "measured_ms": p["latency_ms"], "predicted_ms": pred.ms})
+    rows.append({"step": f"prefill {p['tokens']} tok", "measured_ms": measured_ms(p), "predicted_ms": pred.ms})
     for d in report["decode"]:
         pred = predict(loaded.graph, loaded.plan, raw, "decode", d["batch"], d["context"])
-        rows.append({"step": f"decode batch {d['batch']}", "measured_ms": d["step_ms"], "predicted_ms": pred.ms})
+        rows.append({"step": f"decode batch {d['batch']}", "measured_ms": measured_ms(d), "predicted_ms": pred.ms})
     for r in rows:
         r["error_pct"] = 100.0 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
     curves = "calibrated curves" if raw.get("calibration") else "descriptor peaks"
-    lines = [f"predicted vs measured ({raw['name']}, {curves}):"]
+    clock = "process CPU time" if "cpu_ms" in p else "wall time"
+    lines = [f"predicted vs measured ({raw['name']}, {curves}; measured: {clock}):"]
+    cal = raw.get("calibration") or {}
+    if cal.get("threads") and report.get("threads") and int(cal["threads"]) != int(report["threads"]):
+        lines.append(f"  note: calibrated with {cal['threads']} torch threads, benchmarked with {report['threads']}; "
+                     "set OMP_NUM_THREADS the same for both")
     lines += [f"  {r['step']:<18} measured {r['measured_ms']:9.3f} ms   predicted {r['predicted_ms']:9.3f} ms   "
               f"{r['error_pct']:+6.1f}%" for r in rows]
     return "\n".join(lines), rows

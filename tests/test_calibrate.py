@@ -27,7 +27,7 @@ TINY = Sizes(copy_bytes=4 * 2**20, matmul_n=128, iters=2, warmup=1, launches=200
 
 @pytest.fixture(scope="module")
 def cpu_calibrated():
-    return calibrate("cpu", sizes=TINY)
+    return calibrate("cpu", sizes=TINY, threads=1)  # one thread: CPU time, no OpenMP waits on a loaded host
 
 
 def test_cpu_calibration_validates_and_says_calibrated(cpu_calibrated):
@@ -124,11 +124,13 @@ def test_quick_sizes_stay_small():
 
 def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, capsys):
     import portlayer.capabilities.calibrate as cal
+    from portlayer.capabilities.calibrate_timing import pinned_threads
     from portlayer.cli_capabilities import main
 
     monkeypatch.setattr(cal, "CPU_QUICK", TINY)
     out = tmp_path / "cpu.json"
-    assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(out)]) == 0
+    with pinned_threads(1):  # as OMP_NUM_THREADS=1 would: the CPU clock, and no OpenMP waits on a loaded host
+        assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(out)]) == 0
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("calibrate [")]
     assert any("bandwidth" in ln for ln in lines) and any("paged attention" in ln for ln in lines)
@@ -136,7 +138,14 @@ def test_calibrate_cli_writes_a_descriptor_with_progress(tmp_path, monkeypatch, 
     assert any("paged attention (torch.sdpa" in ln for ln in lines)  # what the CPU program runs (backends extra)
     assert any("GEMM crossover" in ln and "not measured: cpu-x86_64 generates 'torch' code" in ln for ln in lines)
     assert load_descriptor(out).name == "cpu-x86_64-calibrated"
-    assert json.loads(out.read_text())["calibration"]["mode"] == "quick"
+    cal = json.loads(out.read_text())["calibration"]
+    assert cal["mode"] == "quick" and cal["threads"] == 1 and cal["clock"].startswith("process CPU time")
+    # the torch family's nodes, timed through the call its programs make, and its GEMM curve through the linear op
+    assert any("linear via host_support.ref" in ln for ln in lines)
+    nodes = cal["torch_nodes"]
+    assert {"rms_norm", "add", "rope", "embedding"} <= set(nodes)
+    assert all(v["us"] > 0 and v["big_bytes"] > v["bytes"] > 0 for v in nodes.values())
+    assert cal["torch_sequence_factor"] >= 1.0 and cal["launch_us"]["torch_step_us"] > 0
 
 
 def test_crossover_is_the_leading_run_where_triton_wins():
@@ -145,3 +154,37 @@ def test_crossover_is_the_leading_run_where_triton_wins():
     pts = [{"m": m, "triton_us": t, "vendor_us": v} for m, t, v in ((1, 4.0, 6.0), (8, 5.0, 6.0), (32, 9.0, 7.0), (128, 5.0, 9.0))]
     assert crossover(pts) == 8  # the win at 128 after a loss at 32 does not extend the run
     assert crossover([{"m": 1, "triton_us": 7.0, "vendor_us": 6.0}]) == 0
+
+
+def test_trimmed_keeps_the_fast_half():
+    from portlayer.capabilities.calibrate_timing import trimmed
+
+    assert trimmed([1.0, 1.1, 0.9, 50.0, 60.0]) == 1.0  # two slow spells change nothing
+    assert trimmed([3.0]) == 3.0
+
+
+def test_rounds_keep_each_numbers_best_round():
+    from portlayer.capabilities.calibrate_rounds import merge_rounds, spread_pct
+
+    a = {"sweep": [{"bytes": 4096, "copy_gbps": 10.0}], "matmul": {"fp32": 0.1}, "launch": {"eager_us": 5.0},
+         "mode": "x", "attention": {"points": [{"batch": 1, "us": 80.0}]}}
+    b = {"sweep": [{"bytes": 4096, "copy_gbps": 12.0}], "matmul": {"fp32": 0.08}, "launch": {"eager_us": 4.0},
+         "mode": "y", "attention": {"points": [{"batch": 1, "us": 100.0}]}}
+    m = merge_rounds([a, b])
+    assert m["sweep"] == [{"bytes": 4096, "copy_gbps": 12.0}]  # a rate: the highest
+    assert m["matmul"]["fp32"] == 0.1 and m["launch"]["eager_us"] == 4.0  # a time: the lowest
+    assert m["attention"]["points"][0] == {"batch": 1, "us": 80.0} and m["mode"] == "x"
+    assert spread_pct([a, b])["launch.eager_us"] == pytest.approx(100 * 1.0 / 4.5)
+
+
+def test_cpu_clock_ignores_time_the_process_does_not_run():
+    """One torch thread: the host clock is process CPU time, so a call that sleeps 20 ms costs ~0."""
+    import time
+
+    from portlayer.capabilities.calibrate_timing import host_clock, measure_s, pinned_threads
+
+    before = torch.get_num_threads()
+    with pinned_threads(1):
+        assert host_clock()[0] is time.process_time and torch.get_num_threads() == 1
+        assert measure_s(lambda: time.sleep(0.02), torch.device("cpu"), TINY, 0.05) < 0.005
+    assert torch.get_num_threads() == before

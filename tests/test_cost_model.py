@@ -168,3 +168,37 @@ def test_batched_sdpa_attention_uses_the_fit():
     c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": sweep, "attention": attn}})
     t = c.attention_us(batch=8, kv_bytes=16_000, flops=0, dtype="float32", torch_family=True)
     assert t == pytest.approx(30.0 + 8 * 4.0 + 16_000 / 2e3)
+
+
+def test_torch_node_cost_grows_along_the_sweep():
+    raw = synthetic("cpu-x86_64")
+    flat = [{"bytes": 1000, "copy_gbps": 1.0}, {"bytes": 10**7, "copy_gbps": 1.0}]  # 1 GB/s: time linear in bytes
+    nodes = {"mul": {"us": 10.0, "bytes": 1000, "big_us": 110.0, "big_bytes": 101_000}}
+    c = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": flat, "torch_nodes": nodes}})
+    assert c.torch_node_us("mul", "pointwise", 51_000) == pytest.approx(10.0 + 100.0 * 50_000 / 100_000)
+    assert c.torch_node_us("sub", "pointwise", 1000) == pytest.approx(10.0)  # uncalibrated: its kind's stand-in
+    twice = Curves.from_descriptor({**raw, "calibration": {"bandwidth_sweep": flat, "torch_nodes": nodes,
+                                                           "torch_sequence_factor": 2.0}})  # fmt: skip
+    assert twice.torch_node_us("mul", "pointwise", 51_000) == pytest.approx(20.0 + 50.0)  # only the fixed part scales
+    assert Curves.from_descriptor(raw).torch_node_us("mul", "pointwise", 1000) is None
+
+
+def test_torch_family_step_is_the_sum_of_its_calibrated_calls(cpu):
+    """Per-op calibration: every compute node costs its op's call, GEMMs their curve, attention the fit, plus
+    one step state; the counts come from the graph, independently of the cost model."""
+    from portlayer.flatten.ops import get_op
+
+    raw = synthetic("cpu-x86_64", bandwidth=1e9)
+    ops = {n.op for n in cpu.graph.nodes}
+    cal = {"bandwidth_sweep": [{"bytes": 4096, "copy_gbps": 1e9}, {"bytes": 2**26, "copy_gbps": 1e9}],
+           "torch_nodes": {op: {"us": 7.0, "bytes": 100, "big_us": 7.0, "big_bytes": 10**6} for op in ops},
+           "gemm_k": 1024, "gemm_small_k": 128, "gemm_curves": {"fp32": [{"m": 1, "us": 20.0}]},
+           "gemm_curves_small": {"fp32": [{"m": 1, "us": 20.0}]}, "launch_us": {"torch_step_us": 5.0},
+           "attention": {"kernel": "torch.sdpa, codegen/torch_attention.py", "fixed_us": 30.0, "per_seq_us": 0.0,
+                         "gbps": 1e9, "points": []}}  # fmt: skip
+    p = predict(cpu.graph, cpu.plan, {**raw, "calibration": cal}, "decode", batch=1, context=16)
+    kinds = [get_op(n.op).kind for n in cpu.graph.nodes if get_op(n.op).kind != "view"]
+    n_gemm, n_attn = kinds.count("gemm"), kinds.count("attention")
+    expected = 7.0 * (len(kinds) - n_gemm - n_attn) + 20.0 * n_gemm + 30.0 * n_attn + 5.0
+    assert n_gemm and n_attn
+    assert p.ms * 1e3 == pytest.approx(expected, rel=1e-3)

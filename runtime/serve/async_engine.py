@@ -1,22 +1,25 @@
 """One background task stepping an ``LLMEngine`` while HTTP requests come and go.
 
 The engine is plain synchronous code that is not thread-safe, so every call into it (add,
-abort, step, embed) runs on one dedicated worker thread, in submission order: an add or
-an abort queued while a step runs takes effect right after that step, and the event loop
-stays free to accept and stream while the model computes. Each HTTP request owns an
-``asyncio.Queue``; after every step the loop puts each request's new tokens (with their
-logprobs, when asked) on its queue. This is continuous batching across clients: whatever
-is in the engine when a step starts shares that step.
+abort, step, embed) runs on one dedicated engine thread, in submission order: an add or
+an abort queued while a step runs takes effect right after that step. The thread steps on
+by itself while requests are unfinished (it never waits for the event loop between steps),
+and hands each step's outputs to the loop, which stays free to accept and stream while the
+model computes. Each HTTP request owns an ``asyncio.Queue``; the loop puts each request's new
+tokens (with their logprobs, when asked) on its queue. This is continuous batching across
+clients: whatever is in the engine when a step starts shares that step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,36 +62,36 @@ class AsyncEngine:
             engine.sampler = LogprobSampler(engine.sampler.seed)
         self.max_in_flight = engine.config.max_num_seqs + max(0, max_queue_len)
         self.step_observer = step_observer  # called with (seconds, num_outputs) on the worker thread
-        self._exec = ThreadPoolExecutor(1, thread_name_prefix="portlayer-engine")
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future) for the engine thread
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
-        self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="portlayer-engine-loop")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._engine_thread, name="portlayer-engine", daemon=True)
+        self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     async def shutdown(self) -> None:
         """Abort whatever is still in flight (uvicorn has already let finished requests drain)."""
-        self._stopping = True
-        if self._wake is not None:
-            self._wake.set()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._thread is None:
+            return
         rids = list(self._queues)
-        if rids:
+        if rids and self._thread.is_alive():
             await self._call(self._abort_all, rids)
         for q in self._queues.values():
             q.put_nowait(EngineFailed("the server is shutting down; the request was aborted"))
         self._queues.clear()
-        self._exec.shutdown(wait=True)
+        self._stopping = True
+        self._cmds.put(None)  # wakes the thread, which then ends
+        await asyncio.to_thread(self._thread.join)
 
     # ---- requests ------------------------------------------------------------------
     @property
@@ -113,22 +116,87 @@ class AsyncEngine:
             for rid in rids:
                 self._queues.pop(rid, None)
             raise
-        assert self._wake is not None
-        self._wake.set()
         return rids
 
     def abort(self, rids: Sequence[str]) -> None:
         """Stop these requests (a client went away, or a stop string matched); frees their KV blocks."""
         live = [r for r in rids if self._queues.pop(r, None) is not None]
         if live and not self._stopping:
-            self._exec.submit(self._abort_all, live)
+            self._cmds.put((self._abort_all, (live,), None))
 
     async def embed(self, token_lists: list[list[int]]) -> torch.Tensor:
         return await self._call(self.engine.embed, token_lists)
 
-    # ---- the worker thread ----------------------------------------------------------
+    # ---- the engine thread ----------------------------------------------------------
     async def _call(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        """Run ``fn(*args)`` on the engine thread (between two steps); its result or exception."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineFailed("the engine loop is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, args, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _engine_thread(self) -> None:
+        """Run queued calls, step while anything is unfinished, hand the outputs to the event loop."""
+        while True:
+            try:  # block only when there is nothing to step
+                cmd = self._cmds.get(block=not self.engine.has_unfinished())
+            except queue.Empty:
+                cmd = ()
+            while cmd != ():
+                if cmd is None:
+                    return
+                fn, args, fut = cmd
+                try:
+                    result = fn(*args)
+                    if fut is not None:
+                        fut.set_result(result)
+                except BaseException as e:  # the caller (or the log, for fire-and-forget aborts) gets it
+                    if fut is not None:
+                        fut.set_exception(e)
+                    else:
+                        log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = ()
+            try:
+                items = self._step()
+            except Exception as e:  # a bug or a device error: fail who was in flight, keep serving
+                log.exception("engine step failed")
+                try:
+                    self._abort_all(list(self.engine.requests))
+                except Exception:
+                    log.exception("aborting after the failed step failed too")
+                self._to_loop(self._fail_all, e)
+                continue
+            if items:
+                self._to_loop(self._deliver, items)
+
+    def _to_loop(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _deliver(self, items: list[StepItem]) -> None:
+        """On the event loop: each request's new tokens onto its queue."""
+        for it in items:
+            rid = it.output.request_id
+            q = self._queues.get(rid)
+            if q is None:
+                continue  # aborted while the step ran
+            if it.output.finished:
+                del self._queues[rid]
+            q.put_nowait(it)
+
+    def _fail_all(self, e: BaseException) -> None:
+        """On the event loop: every request in flight when a step raised ends with that error."""
+        rids = list(self._queues)
+        log.error("engine step failed; aborting %d requests", len(rids))
+        for rid in rids:
+            self._queues.pop(rid).put_nowait(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
 
     def _add_all(self, rids: list[str], subs: Sequence[Submission]) -> None:
         try:
@@ -160,28 +228,3 @@ class AsyncEngine:
             self.step_observer(t1 - t0, len(outs))
         return items
 
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while not self._stopping:
-            self._wake.clear()  # before the check, so a submit after it always wakes us
-            try:
-                items = await self._call(self._step)
-            except Exception as e:  # a bug or a device error: fail who was in flight, keep serving
-                log.exception("engine step failed; aborting %d requests", len(self._queues))
-                rids = list(self._queues)
-                queues = [self._queues.pop(r) for r in rids]
-                await self._call(self._abort_all, rids)
-                for q in queues:
-                    q.put_nowait(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
-                continue
-            if items is None:
-                await self._wake.wait()
-                continue
-            for it in items:
-                rid = it.output.request_id
-                q = self._queues.get(rid)
-                if q is None:
-                    continue  # aborted while the step ran
-                if it.output.finished:
-                    del self._queues[rid]
-                q.put_nowait(it)

@@ -261,22 +261,36 @@ def stream_response(job: GenerationJob) -> Response:
         if job.kind == "chat":  # the role first, as OpenAI and vLLM do
             for c in sorted(job.choices.values(), key=lambda c: c.index):
                 yield _sse(job.chunk(c, "", [], 0))
-        while not all(c.done for c in job.choices.values()):
-            item = await job.queue.get()
-            try:
-                c, delta, fresh = job.absorb(item)
-            except APIError as e:
-                yield _sse(e.body())
+        failed = False
+        while not failed and not all(c.done for c in job.choices.values()):
+            items = [await job.queue.get()]
+            while not job.queue.empty():  # a client behind the engine gets what is queued in one chunk
+                items.append(job.queue.get_nowait())
+            deltas: dict[str, str] = {}
+            order: list[Any] = []
+            for item in items:
+                try:
+                    c, delta, fresh = job.absorb(item)
+                except APIError as e:
+                    yield _sse(e.body())
+                    failed = True
+                    break
+                if not fresh:
+                    continue
+                if c.rid not in deltas:
+                    order.append(c)
+                deltas[c.rid] = deltas.get(c.rid, "") + delta
+                pending_lp[c.rid].extend(item.logprobs)
+                pending_ids[c.rid].extend(item.output.new_token_ids)
+            if failed:
                 break
-            if not fresh:
-                continue
-            pending_lp[c.rid].extend(item.logprobs)
-            pending_ids[c.rid].extend(item.output.new_token_ids)
-            if delta or c.done or (job.token_ids and pending_ids[c.rid]):
-                records = pending_lp[c.rid] if job.want_logprobs is not None else []
-                yield _sse(job.chunk(c, delta, records, sent[c.rid], pending_ids[c.rid]))
-                sent[c.rid] += len(delta)
-                pending_lp[c.rid], pending_ids[c.rid] = [], []
+            for c in order:
+                delta = deltas[c.rid]
+                if delta or c.done or (job.token_ids and pending_ids[c.rid]):
+                    records = pending_lp[c.rid] if job.want_logprobs is not None else []
+                    yield _sse(job.chunk(c, delta, records, sent[c.rid], pending_ids[c.rid]))
+                    sent[c.rid] += len(delta)
+                    pending_lp[c.rid], pending_ids[c.rid] = [], []
         if job.stream_usage:
             obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
             yield _sse({"id": job.obj_id, "object": obj, "created": job.created, "model": job.model, "choices": [],
