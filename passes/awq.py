@@ -8,7 +8,8 @@ activation by ``s_j`` where it is made, which leaves the float function unchange
 - the input comes from an ``rms_norm`` / ``layer_norm`` read only by these linears: its weight
   ``gamma`` becomes ``(gamma + offset) / s - offset`` (``offset``: Gemma's ``1 + gamma`` form);
 - the input is ``mul(a, b)`` read only by this linear, with ``b`` (or ``a``) a linear read only by
-  that mul (SwiGLU's up_proj): that linear's rows (and bias) are divided by ``s``.
+  that mul (SwiGLU's up_proj): that linear's rows (and bias) are divided by ``s`` (already
+  quantized, as in the true-sequential mode: its rows' scales and offsets).
 
 Anywhere else (o_proj after GQA attention, for instance) the linear is not scaled. ``s`` is
 ``rms(x)^alpha`` (normalized), ``alpha`` searched on a grid for the least output error
@@ -31,9 +32,10 @@ NORMS = ("rms_norm", "layer_norm")
 
 
 def search_scale(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, group_size: int,
-                 symmetric: bool) -> tuple[torch.Tensor, float]:
-    """(s [K] float32, alpha) minimising the calibration output error of ``w`` [N, K] quantized."""
-    from portlayer.passes.gptq import rtn
+                 symmetric: bool, clip_output: bool = False) -> tuple[torch.Tensor, float]:
+    """(s [K] float32, alpha) minimising the calibration output error of ``w`` [N, K] quantized
+    (``clip_output``: each candidate's clip search grades the output error too)."""
+    from portlayer.passes.gptq import gram_blocks, rtn
 
     w = w.float()[:: max(1, w.shape[0] // SEARCH_ROWS)]
     h = (gram / max(rows, 1)).float()
@@ -42,7 +44,8 @@ def search_scale(w: torch.Tensor, gram: torch.Tensor, rows: int, bits: int, grou
     for a in ALPHAS:
         s = mag ** a
         s = s / (s.max() * s.min()).sqrt()
-        q, sc, off = rtn(w * s, bits, group_size, symmetric)
+        hb = gram_blocks(h.double() / s.double()[:, None] / s.double()[None, :], 1, group_size) if clip_output else None
+        q, sc, off = rtn(w * s, bits, group_size, symmetric, hb)
         n, k = w.shape
         dq = q.float().reshape(n, k // group_size, group_size) * sc[:, :, None]
         if off is not None:
@@ -84,8 +87,8 @@ def fold_target(g: Graph, idx: Sequence[int]) -> tuple[str, int] | None:
             if q is None or operand in g.outputs or cons.get(operand) != [p]:
                 continue
             qn = g.nodes[q]
-            if (qn.op == "linear" and qn.inputs[1] in g.weights and len(cons.get(qn.inputs[1], [])) == 1
-                    and (len(qn.inputs) < 3 or qn.inputs[2] is None or len(cons.get(qn.inputs[2], [])) == 1)):
+            if qn.op in ("linear", "linear_wq") and all(
+                    x is None or (x in g.weights and len(cons.get(x, [])) == 1) for x in qn.inputs[1:]):
                 return ("rows", q)
     return None
 
@@ -106,10 +109,11 @@ def apply_scale(g: Graph, idx: Sequence[int], where: tuple[str, int], s: torch.T
         if len(node.inputs) > 2 and node.inputs[2] in g.weights:  # layer_norm's beta
             beta = g.weights[node.inputs[2]]
             g.weights[node.inputs[2]] = (beta.float() / s).to(beta.dtype)
-    else:
-        name = node.inputs[1]
-        w = g.weights[name]
-        g.weights[name] = (w.float() / s[:, None]).to(w.dtype)
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
-            b = g.weights[node.inputs[2]]
-            g.weights[node.inputs[2]] = (b.float() / s).to(b.dtype)
+    else:  # a quantized producer (true-sequential: up_proj before down_proj) scales its rows'
+        # scales and offsets, exactly: (q * scale + offset) / s = q * (scale / s) + offset / s
+        wq = node.op == "linear_wq"
+        rows = [node.inputs[2], *node.inputs[4:5]] if wq else [node.inputs[1]]
+        bias = node.inputs[3:4] if wq else node.inputs[2:3]
+        for name in [x for x in rows + bias if x is not None]:
+            w = g.weights[name]
+            g.weights[name] = (w.float() / (s[:, None] if w.dim() == 2 else s)).to(w.dtype)

@@ -52,6 +52,19 @@ def token_ids(graph: Graph, name: str, max_tokens: int = 512) -> tuple[torch.Ten
     return torch.randint(0, vocab, (n,), generator=gen), f"{n} seeded random ids (no tokenizer.json in the source)"
 
 
+def token_sequences(graph: Graph, name: str, max_tokens: int = 4096, seq_len: int = 512) -> tuple[list[torch.Tensor], str]:
+    """(sequences, how): up to ``max_tokens`` of a built-in text cut into ``seq_len``-token sequences
+    (several sequences: the calibration run's attention stays short and GPTQ's X^T X sees enough
+    rows to be full rank), or seeded random ids where the source has no tokenizer.json."""
+    ids, how = token_ids(graph, name, max_tokens)
+    if "random" in how:
+        ids = ids[:256]  # random-weight test models: a short stream keeps their compiles fast
+        how = f"{ids.shape[0]} seeded random ids (no tokenizer.json in the source)"
+    seqs = [ids[i:i + seq_len] for i in range(0, int(ids.shape[0]), seq_len)]
+    seqs = [s for s in seqs if s.shape[0] >= 2]
+    return seqs, f"{how}, {len(seqs)} sequences of <= {seq_len}"
+
+
 def linear_inputs_gram(graph: Graph, ids: torch.Tensor, wanted: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
     """{linear node name: (X^T X in float64, rows)} for the ``wanted`` linear nodes, from one float32
     run of ``graph`` (the reference ops) on the token stream ``ids`` as one sequence."""

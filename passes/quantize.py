@@ -9,14 +9,17 @@ Modes (``plan.weight_quantization``, or ``options['weight_quantization']``):
   and group 32 asymmetric 100% (docs/quantization.md says why), and every shipped int8 kernel
   takes group 32.
 - ``int4``: groups of ``options['group_size']`` (default: the plan's ``quant_group_size``,
-  else 128), asymmetric (scale + offset per group), AWQ-scaled (passes/awq.py: per-channel
-  scales searched on the built-in text passes/calib_text.txt through the model's own
-  tokenizer, folded into the preceding norm / up_proj rows) then round-to-nearest.
+  else 128), asymmetric (scale + offset per group), calibrated round-to-nearest (``clip``): each
+  group's min/max shrink and a least-squares scale/offset refit chosen by the layer's output error
+  on the built-in text passes/calib_text.txt (through the model's own tokenizer), true-sequential
+  (passes/sequential.py: each layer on the activations of the already-quantized ones).
 - ``native``: the linear weights a GGUF source shipped in block form (Q8_0/Q4_0/Q4_1 at group
   32, flatten/gguf_blocks.py) are used as they are; every other weight stays float.
 
-``options['quant_method']`` (``rtn``, ``gptq``, ``awq``, ``awq+gptq``) overrides the method,
-``options['act_order']`` / ``options['gptq_damp']`` tune GPTQ, ``options['symmetric']`` the offsets.
+``options['quant_method']`` (``rtn``, ``clip``, ``gptq``, ``awq``, ``awq+gptq``) overrides the method,
+``options['act_order']`` / ``options['gptq_damp']`` tune GPTQ, ``options['symmetric']`` the offsets,
+``options['sequential']`` / ``options['clip']`` / ``options['calibration_tokens']`` /
+``options['calibration_device']`` the calibration (docs/quantization.md).
 The LM head stays in float unless ``options['quantize_lm_head']``, as vLLM's GPTQ/AWQ loaders
 do: logits are the most sensitive output.
 """
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ from portlayer.passes.util import all_names, fresh_name
 
 MODES = ("int8", "int4", "native")
 INT8_GROUP = 32  # the smallest group every linear_wq lowering takes (Triton: 16, CANN: 32)
-DEFAULT_METHOD = {8: "rtn", 4: "awq"}  # the best measured on SmolLM2 (docs/quantization.md)
+DEFAULT_METHOD = {8: "rtn", 4: "clip"}  # the best measured on SmolLM2 (docs/quantization.md)
 
 
 def pick_group(k: int, bits: int, requested: int | None) -> int:
@@ -52,16 +54,23 @@ def pick_group(k: int, bits: int, requested: int | None) -> int:
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, gram: tuple[torch.Tensor, int] | None = None,
-                    symmetric: bool | None = None, act_order: bool = False, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    symmetric: bool | None = None, act_order: bool = False, damp: float = 0.01,
+                    clip_gram: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(qweight, scales, offsets or None) of a [N, K] weight; int4 comes packed two per byte.
 
     With ``gram`` (X^T X of the layer's inputs, rows) the codes come from GPTQ, else from
-    round-to-nearest (GPTQ with an identity Hessian is exactly that).
+    round-to-nearest (GPTQ with an identity Hessian is exactly that), whose clip search grades
+    the output error on ``clip_gram``'s inputs when given, else the weight error.
     """
-    from portlayer.passes.gptq import gptq, rtn
+    from portlayer.passes.gptq import gptq, gram_blocks, rtn
 
     sym = False if symmetric is None else symmetric
-    q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, damp=damp, act_order=act_order) if gram is not None else rtn(w, bits, group_size, sym)
+    if gram is not None:
+        q, s, off = gptq(w, gram[0], gram[1], bits, group_size, sym, damp=damp, act_order=act_order,
+                         clip_output=clip_gram is not None)
+    else:
+        h = gram_blocks(clip_gram[0], clip_gram[1], group_size) if clip_gram is not None else None
+        q, s, off = rtn(w, bits, group_size, sym, h)
     return (pack_int4(q) if bits == 4 else q), s, off
 
 
@@ -139,7 +148,10 @@ def quantize(graph: Graph, ctx: PassContext) -> Graph:
     return dce(g)
 
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+METHODS = ("rtn", "clip", "gptq", "awq", "awq+gptq")
+
+
+CALIBRATION_TOKENS = 4096  # the built-in text's length cap: X^T X full rank for K = 1536 (docs/quantization.md)
 
 
 def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int], bits: int) -> None:
@@ -150,19 +162,9 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
     sym = False if symmetric is None else bool(symmetric)
     act_order = bool(ctx.options.get("act_order", False))
     damp = float(ctx.options.get("gptq_damp", 0.01))
+    sequential = bool(ctx.options.get("sequential", True))
+    device = torch.device(ctx.options.get("calibration_device") or "cpu")  # scripts/gpu_quality.py: cuda
     requested = ctx.options.get("group_size") or _plan_group(ctx, bits)
-    grams: dict[str, Any] = {}
-    how = "round-to-nearest"
-    stream = {"input_ids", "positions"} <= {v.name for v in g.inputs}
-    if method != "rtn" and stream:
-        from portlayer.passes.calibration import CALIBRATION_TEXT, linear_inputs_gram, token_ids
-
-        ids, how = token_ids(g, CALIBRATION_TEXT)
-        grams = linear_inputs_gram(g, ids, {g.nodes[i].name for i in targets})
-        label = {"gptq": "GPTQ", "awq": "AWQ scales + round-to-nearest", "awq+gptq": "AWQ scales + GPTQ"}[method]
-        how = f"{label}{' (act-order)' if act_order and 'gptq' in method else ''} on {how}"
-    elif method != "rtn":
-        how = f"round-to-nearest ({method} needs a token-stream graph to calibrate on)"
     mode = f"int{bits}"
     # linears reading the same activation (q/k/v, gate/up) share one Hessian: quantize them as one
     # stacked matrix (scales are per row, so splitting the result back is exact)
@@ -172,50 +174,86 @@ def _calibrated(g: Graph, ctx: PassContext, names: set[str], targets: list[int],
         if bits == 4 and k % 2:
             continue
         shared.setdefault((g.nodes[i].inputs[0], pick_group(k, bits, requested)), []).append(i)
-    scaled = _awq(g, shared, grams, bits, sym) if "awq" in method and grams else 0  # matmuls: all threads
-    with _single_thread():
+    group_of = {tuple(idx): gs for (_, gs), idx in shared.items()}
+    how, label, scaled = "round-to-nearest", "round-to-nearest", [0]
+    stream = {"input_ids", "positions"} <= {v.name for v in g.inputs}
+    clip_output = ctx.options.get("clip", "output") == "output"  # clip search on the output error (calibrated RTN)
+    opts = {"method": method, "bits": bits, "sym": sym, "act_order": act_order, "damp": damp, "clip_output": clip_output}
+
+    def on_group(idx: list[int], x: torch.Tensor) -> torch.Tensor | None:
+        xd = x.double()
+        s = _quantize_group(g, names, idx, group_of[tuple(idx)], (xd.T @ xd, int(x.shape[0])), label, **opts)
+        scaled[0] += len(idx) if s is not None else 0
+        return None if s is None else x / s[None, :]
+
+    if method != "rtn" and stream:
+        from portlayer.passes.calibration import CALIBRATION_TEXT, token_sequences
+        from portlayer.passes.sequential import run_sequential
+
+        seqs, how = token_sequences(g, CALIBRATION_TEXT, int(ctx.options.get("calibration_tokens", CALIBRATION_TOKENS)))
+        label = {"clip": "round-to-nearest", "gptq": "GPTQ", "awq": "AWQ scales + round-to-nearest",
+                 "awq+gptq": "AWQ scales + GPTQ"}[method]
+        label += " (act-order)" if act_order and "gptq" in method else ""
+        label += ", output-error clip" if clip_output else ""
+        label += ", sequential" if sequential else ""
+        if sequential:  # each group calibrated on the outputs of the groups already quantized
+            run_sequential(g, seqs, list(shared.values()), on_group, device)
+        else:  # every group calibrated on the float model's activations
+            grams: dict[int, torch.Tensor] = {}
+            run_sequential(g.copy(), seqs, list(shared.values()), lambda idx, x: grams.__setitem__(idx[0], x.clone()), device)
+            for idx in shared.values():
+                on_group(idx, grams.pop(idx[0]))
+        how = f"{label} on {how}"
+    else:
+        if method != "rtn":
+            how = label = f"round-to-nearest ({method} needs a token-stream graph to calibrate on)"
         for (_, gs), idx in shared.items():
-            ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
-            gram = grams.get(g.nodes[idx[0]].name) if "gptq" in method else None
-            q, s, off = quantize_weight(torch.cat([w.float() for w in ws]), bits, gs, gram, sym, act_order, damp)
-            row = 0
-            for i, w in zip(idx, ws):
-                r = slice(row, row + int(w.shape[0]))
-                row += int(w.shape[0])
-                kind = "symmetric" if off is None else "asymmetric"
-                _replace(g, names, i, q[r], s[r], off[r] if off is not None else None, bits, gs,
-                         f"{mode} weight-only, group {gs}, {kind}, {how.split(' on ')[0]}")
+            _quantize_group(g, names, idx, gs, None, label, **opts)
     g.meta["quantization"] = {"mode": mode, "method": how, "group_size": requested, "layers": len(targets),
-                              **({"awq_scaled_layers": scaled} if "awq" in method else {})}
+                              **({"awq_scaled_layers": scaled[0]} if "awq" in method else {})}
 
 
-def _awq(g: Graph, shared: dict[tuple[str, int], list[int]], grams: dict[str, Any], bits: int, sym: bool) -> int:
-    """Search every group's AWQ scale on the float weights first, then fold them all (a fold may
-    rescale another target's rows, e.g. up_proj for down_proj), and rescale the Hessians to the
-    scaled inputs (X / s). Returns how many linears were scaled."""
+def _quantize_group(g: Graph, names: set[str], idx: list[int], gs: int, gram: tuple[torch.Tensor, int] | None,
+                    label: str, method: str, bits: int, sym: bool, act_order: bool, damp: float,
+                    clip_output: bool) -> torch.Tensor | None:
+    """Quantize the linears ``idx`` (one input, stacked) in place; with AWQ first scale their input
+    channels (folded upstream). Returns the AWQ scales the input must be divided by, or None."""
+    dev = gram[0].device if gram is not None else torch.device("cpu")  # the calibration's device does the math
+    with _single_thread() if dev.type == "cpu" else contextlib.nullcontext():
+        return _quantize_group_on(g, names, idx, gs, gram, label, method, bits, sym, act_order, damp, clip_output, dev)
+
+
+def _quantize_group_on(g: Graph, names: set[str], idx: list[int], gs: int, gram: tuple[torch.Tensor, int] | None,
+                       label: str, method: str, bits: int, sym: bool, act_order: bool, damp: float,
+                       clip_output: bool, dev: torch.device) -> torch.Tensor | None:
     from portlayer.passes.awq import apply_scale, fold_target, search_scale
 
-    plans = []
-    for (_, gs), idx in shared.items():
-        gram = grams.get(g.nodes[idx[0]].name)
-        where = fold_target(g, idx)
-        if gram is None or where is None:
-            continue
-        w = torch.cat([g.weights[g.nodes[i].inputs[1]].float() for i in idx])
-        s, _alpha = search_scale(w, gram[0], gram[1], bits, gs, sym)
-        plans.append((idx, where, s))
-    for idx, where, s in plans:
-        apply_scale(g, idx, where, s)
-        x, rows = grams[g.nodes[idx[0]].name]
+    s = None
+    if gram is not None and "awq" in method and (where := fold_target(g, idx)) is not None:
+        w = torch.cat([g.weights[g.nodes[i].inputs[1]].float() for i in idx]).to(dev)
+        s, _alpha = search_scale(w, gram[0], gram[1], bits, gs, sym, clip_output)
+        apply_scale(g, idx, where, s.cpu())
         sd = s.double()
-        grams[g.nodes[idx[0]].name] = (x / sd[:, None] / sd[None, :], rows)
-    return sum(len(idx) for idx, _, _ in plans)
+        gram = (gram[0] / sd[:, None] / sd[None, :], gram[1])
+    ws = [g.weights[g.nodes[i].inputs[1]] for i in idx]
+    q, sc, off = quantize_weight(torch.cat([w.float() for w in ws]).to(dev), bits, gs,
+                                 gram if "gptq" in method else None, sym, act_order, damp,
+                                 gram if clip_output else None)
+    q, sc, off = q.cpu(), sc.cpu(), off.cpu() if off is not None else None
+    row = 0
+    for i, w in zip(idx, ws):
+        r = slice(row, row + int(w.shape[0]))
+        row += int(w.shape[0])
+        kind = "symmetric" if off is None else "asymmetric"
+        _replace(g, names, i, q[r], sc[r], off[r] if off is not None else None, bits, gs,
+                 f"int{bits} weight-only, group {gs}, {kind}, {label}")
+    return s
 
 
 @contextlib.contextmanager
 def _single_thread() -> Iterator[None]:
-    """GPTQ's column sweep is many small ops: one intra-op thread avoids oversubscription, which
-    on a busy 2-core host made it 15x slower."""
+    """GPTQ's column sweep and the clip searches are many small ops: one intra-op thread avoids
+    oversubscription, which on a busy 2-core host made them 15x slower."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

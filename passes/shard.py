@@ -18,14 +18,17 @@ one artifact holds it once); only its weights differ per rank.
 - everything else (norms, residual adds, rope tables) is replicated. A row-parallel bias is kept
   on rank 0 only, so the sum adds it once.
 
-What cannot be sharded this way (heads not divisible by N, a fused QKV projection, MoE experts)
-is refused with the reason, never sharded silently wrong.
+- routed experts (``moe_experts``): split inside each expert (passes/shard_moe.py, which says
+  why); multi-head latent attention (``mla_attention``): split by heads, its latent cache
+  replicated (passes/shard_mla.py), or kept whole when its query path cannot be proven head-local.
+
+What cannot be sharded this way (heads not divisible by N, a fused QKV projection, another
+gemm-kind op) is refused with the reason, never sharded silently wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +37,9 @@ from portlayer.errors import PortlayerError
 from portlayer.flatten.ir import Graph, Node, TensorType, Value
 from portlayer.flatten.ops import get_op
 from portlayer.passes.context import PassContext
+from portlayer.passes.shard_mla import keep_mla_whole, split_mla
+from portlayer.passes.shard_moe import expert_cut
+from portlayer.passes.shard_rewrite import Rule, cut, insert_after, reinfer
 
 VOCAB_START = "tp_vocab_start"
 HEAD_LOCAL = ("reshape", "rope", "rms_norm", "layer_norm", "cast")
@@ -66,22 +72,13 @@ def shard(graph: Graph, ctx: PassContext) -> Graph:
     return shard_graph(graph, n, int(ctx.options.get("tp_rank", 0)), dict(coll))
 
 
-@dataclass
-class _Rule:
-    """How one parameter is cut: ``index`` rows of ``dim`` (-1 entries: zero padding), or ``rank0``."""
-
-    kind: str
-    dim: int = 0
-    index: list[int] = field(default_factory=list)
-
-
 class _Sharder:
     def __init__(self, graph: Graph, n: int, rank: int) -> None:
         self.g, self.n, self.rank = graph, n, rank
         self.prod = graph.producers()
         self.users = graph.users()
         self.types = graph.value_types()
-        self.rules: dict[str, _Rule] = {}
+        self.rules: dict[str, Rule] = {}
         self.after: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # linear name -> collectives to append
         self.done: set[str] = set()
         m = graph.meta
@@ -91,7 +88,7 @@ class _Sharder:
         raise ShardError(f"tensor parallelism over {self.n} ranks: {why} (model {self.where}); "
                          "compile without --tensor-parallel, or pick a degree the model divides")
 
-    def rule(self, param: str | None, r: _Rule) -> None:
+    def rule(self, param: str | None, r: Rule) -> None:
         if param is None:
             return
         if param not in self.g.params:
@@ -134,34 +131,43 @@ class _Sharder:
             lin, chain = self.trace_projection(value, where)
             width = self.types[value].shape[-1] if self.types[value].rank == 3 else hd
             rows = [h * width + i for h in sel for i in range(width)]
-            self.rule(lin.inputs[1], _Rule("column", 0, rows))
+            self.rule(lin.inputs[1], Rule("column", 0, rows))
             if len(lin.inputs) > 2:
-                self.rule(lin.inputs[2], _Rule("column", 0, rows))
+                self.rule(lin.inputs[2], Rule("column", 0, rows))
             self.done.add(lin.name)
             for c in chain:
                 _rescale_shape(c, full, len(sel))
         att.attrs.update(num_heads=len(q_heads), num_kv_heads=len(kv_heads))
-        # forward: attention -> head-merging views -> the output projection (row-parallel)
-        node, value = att, att.outputs[0].name
-        vdim = self.types[att.outputs[0].name].shape[-1]
+        views, proj = self.output_projection(att)
+        if isinstance(proj, str):
+            self.fail(proj)
+        self.split_output(att, views, proj, heads, q_heads)
+
+    def output_projection(self, att: Node) -> tuple[list[Node], Node | str]:
+        """attention -> head-merging views -> the output projection, or why the path is not that."""
+        node, value, views = att, att.outputs[0].name, []
         while True:
             us = self.users.get(value, [])
             if len(us) != 1:
-                self.fail(f"the attention output {value} feeds {len(us)} ops; expected one output projection")
+                return views, f"the attention output {value} feeds {len(us)} ops; expected one output projection"
             node = us[0]
             if node.op == "linear":
-                break
+                return views, node
             if node.op not in ("reshape", "cast"):
-                self.fail(f"the attention output reaches {node.op} ({node.name}) before its output projection")
-            _rescale_shape(node, heads, len(q_heads), vdim)
+                return views, f"the attention output reaches {node.op} ({node.name}) before its output projection"
+            views.append(node)
             value = node.outputs[0].name
-        cols = [h * vdim + i for h in q_heads for i in range(vdim)]
-        self.row_parallel(node, cols)
+
+    def split_output(self, att: Node, views: list[Node], proj: Node, heads: int, q_heads: list[int]) -> None:
+        vdim = self.types[att.outputs[0].name].shape[-1]
+        for v in views:
+            _rescale_shape(v, heads, len(q_heads), vdim)
+        self.row_parallel(proj, [h * vdim + i for h in q_heads for i in range(vdim)])
 
     def row_parallel(self, lin: Node, cols: list[int]) -> None:
-        self.rule(lin.inputs[1], _Rule("column", 1, cols))
+        self.rule(lin.inputs[1], Rule("column", 1, cols))
         if len(lin.inputs) > 2 and lin.inputs[2] is not None:
-            self.rule(lin.inputs[2], _Rule("rank0"))
+            self.rule(lin.inputs[2], Rule("rank0"))
         self.after.setdefault(lin.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
         self.done.add(lin.name)
 
@@ -208,14 +214,26 @@ class _Sharder:
         per = width // self.n
         rows = list(range(self.rank * per, (self.rank + 1) * per))
         for leaf in leaves:
-            self.rule(leaf.inputs[1], _Rule("column", 0, rows))
+            self.rule(leaf.inputs[1], Rule("column", 0, rows))
             if len(leaf.inputs) > 2 and leaf.inputs[2] is not None:
-                self.rule(leaf.inputs[2], _Rule("column", 0, rows))
+                self.rule(leaf.inputs[2], Rule("column", 0, rows))
             self.done.add(leaf.name)
         for p in params:
             if self.g.params[p].rank == 1 and self.g.params[p].shape[0] == width:
-                self.rule(p, _Rule("column", 0, rows))
+                self.rule(p, Rule("column", 0, rows))
         self.row_parallel(down, rows)
+
+    # ---- mixture of experts (passes/shard_moe.py) ------------------------------------------------
+    def experts(self, node: Node) -> None:
+        """Every expert keeps 1/N of its intermediate channels; the partial combines are summed after."""
+        ec = expert_cut(node, self.g, self.n, self.rank)
+        if isinstance(ec, str):
+            self.fail(ec)
+        self.rule(node.inputs[3], Rule("column", 1, ec.gate_up))
+        self.rule(node.inputs[4], Rule("column", 2, ec.down))
+        node.attrs["intermediate_size"] = ec.per_rank
+        self.after.setdefault(node.name, []).append(("all_reduce", {"reduce": "sum", "world_size": self.n}))
+        self.done.add(node.name)
 
     # ---- vocabulary ----------------------------------------------------------------------------
     def vocab_rows(self, vocab: int) -> tuple[int, list[int]]:
@@ -239,9 +257,9 @@ class _Sharder:
     def shard_lm_head(self, head: Node) -> None:
         vocab = int(self.g.params[head.inputs[1]].shape[0])
         per, rows = self.vocab_rows(vocab)
-        self.rule(head.inputs[1], _Rule("column", 0, rows))
+        self.rule(head.inputs[1], Rule("column", 0, rows))
         if len(head.inputs) > 2 and head.inputs[2] is not None:
-            self.rule(head.inputs[2], _Rule("column", 0, rows))
+            self.rule(head.inputs[2], Rule("column", 0, rows))
         todo = [("all_gather", {"dim": -1, "world_size": self.n})]
         if per * self.n != vocab:
             todo.append(("slice", {"dim": -1, "start": 0, "end": vocab, "step": 1}))
@@ -267,33 +285,29 @@ def _rescale_shape(node: Node, full: int, per: int, width: int | None = None) ->
     node.attrs["shape"] = shape
 
 
-def _cut(t: torch.Tensor, r: _Rule) -> torch.Tensor:
-    if r.kind == "rank0":
-        return t
-    idx = torch.tensor([max(i, 0) for i in r.index], dtype=torch.long)
-    out = t.index_select(r.dim, idx)
-    pad = torch.tensor([i < 0 for i in r.index])
-    if bool(pad.any()):
-        shape = [1] * out.dim()
-        shape[r.dim] = len(r.index)
-        out = out.masked_fill(pad.reshape(shape), 0)
-    return out.contiguous()
-
-
 def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] | None = None) -> Graph:
     """Rank ``rank`` of ``n``: the shared program, with this rank's weight shards in ``weights``."""
     if not 0 <= rank < n:
         raise ShardError(f"rank {rank} is not in a tensor-parallel group of {n}")
     g = graph.copy()
     s = _Sharder(g, n, rank)
-    moe = [x.name for x in g.nodes if get_op(x.op).kind == "gemm" and x.op not in ("linear", "matmul", "linear_wq")]
-    if moe:
-        s.fail(f"ops {sorted({g.node(x).op for x in moe})} (expert parallelism) are not sharded yet")
+    other = [x.name for x in g.nodes if get_op(x.op).kind == "gemm"
+             and x.op not in ("linear", "matmul", "linear_wq", "moe_experts")]
+    if other:
+        s.fail(f"ops {sorted({g.node(x).op for x in other})} have no tensor-parallel rule")
     if any(x.op == "linear_wq" for x in g.nodes):
         s.fail("the model's weights are already block-quantized (linear_wq); shard a float model")
     atts = g.find("attention")
     for att in atts:
         s.attention(att)
+    replicated = []
+    for att in g.find("mla_attention"):
+        why = split_mla(s, att)
+        if why is not None:
+            keep_mla_whole(s, att)
+            replicated.append(f"{att.name} (mla_attention, every rank computes all heads: {why})")
+    for moe in g.find("moe_experts"):
+        s.experts(moe)
     head = s.lm_head()
     if head is not None:
         s.shard_lm_head(head)
@@ -308,11 +322,11 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         if r.kind == "rank0":
             w = w if rank == 0 else torch.zeros_like(w)
         else:
-            w = _cut(w, r)
+            w = cut(w, r)
         g.weights[p] = w
         g.params[p] = TensorType(g.params[p].dtype, tuple(w.shape))
-    _insert_after(g, s.after)
-    _reinfer(g)
+    insert_after(g, s.after)
+    reinfer(g)
     meta_heads = {"num_heads": atts[0].attrs["num_heads"], "num_kv_heads": atts[0].attrs["num_kv_heads"]} if atts else {}
     full_kv = int(graph.meta.get("num_kv_heads") or 0)
     g.meta.update(meta_heads)
@@ -320,6 +334,7 @@ def shard_graph(graph: Graph, n: int, rank: int, collectives: Mapping[str, Any] 
         "world_size": n,
         "collectives": dict(collectives or {}),
         "kv_heads_replicated": bool(atts) and full_kv < n,
+        "replicated": replicated,
         "params": {p: r.kind if r.kind == "rank0" else f"{r.kind}:{r.dim}" for p, r in sorted(s.rules.items())},
         **vocab_info,
     }
@@ -334,7 +349,7 @@ def _shard_embeddings(g: Graph, s: _Sharder, embs: list[Node]) -> dict[str, Any]
         w, ids = emb.inputs[0], emb.inputs[1]
         vocab = int(g.params[w].shape[0])
         per, rows = s.vocab_rows(vocab)
-        s.rule(w, _Rule("column", 0, rows))
+        s.rule(w, Rule("column", 0, rows))
         info = {"vocab_size": vocab, "vocab_per_rank": per}
         start = VOCAB_START if len(embs) == 1 else f"{VOCAB_START}_{emb.name}"  # each table its own slice offset
         if start not in g.params:
@@ -358,42 +373,10 @@ def _shard_embeddings(g: Graph, s: _Sharder, embs: list[Node]) -> dict[str, Any]
         ]
         for x in new + tail:
             x.meta = {"source": emb.meta.get("source", base), "why": f"vocab-parallel embedding over {s.n} ranks"}
-            x.outputs = [Value(x.name, TensorType("float32", ()))]  # typed by _reinfer
+            x.outputs = [Value(x.name, TensorType("float32", ()))]  # typed by reinfer
         emb.inputs = [w, f"{base}_tp_ids"]
         emb.outputs = [Value(f"{out}_tp_part", emb.outputs[0].type)]
         tail[-1].outputs = [Value(out, emb.outputs[0].type)]
         i = g.nodes.index(emb)
         g.nodes[i:i + 1] = new + [emb] + tail
     return info
-
-
-def _insert_after(g: Graph, after: Mapping[str, list[tuple[str, dict[str, Any]]]]) -> None:
-    """Each listed linear writes ``<out>_tp_part``; the collectives (and slice) after it produce the
-    original value name, so every consumer reads the combined result unchanged."""
-    for name, ops in after.items():
-        lin = g.node(name)
-        out = lin.outputs[0]
-        src = f"{out.name}_tp_part"
-        lin.outputs = [Value(src, out.type)]
-        chain = []
-        for k, (op, attrs) in enumerate(ops):
-            last = k == len(ops) - 1
-            value = out.name if last else f"{out.name}_tp_{op}"
-            chain.append(Node(f"{name}_tp_{op}", op, [src], [Value(value, out.type)], dict(attrs),
-                              {"source": lin.meta.get("source", name), "why": f"tensor parallel {op}"}))
-            src = value
-        i = g.nodes.index(lin)
-        g.nodes[i + 1:i + 1] = chain
-
-
-def _reinfer(g: Graph) -> None:
-    types: dict[str, TensorType] = {v.name: v.type for v in g.inputs}
-    types.update(g.params)
-    for node in g.nodes:
-        d = get_op(node.op)
-        attrs = d.complete_attrs(node.attrs)
-        ins = [types[i] if i is not None else None for i in node.inputs]
-        outs = d.infer(ins, attrs)
-        node.outputs = [Value(v.name, t) for v, t in zip(node.outputs, outs)]
-        for v in node.outputs:
-            types[v.name] = v.type

@@ -6,12 +6,15 @@ Runs from a source checkout, no installs:
 
 The GGUF is read with the ``gguf`` package (pure Python); where it is not installed, copy its
 folder (site-packages/gguf, 1.4 MB) to ``.devcarry/site/gguf`` and it is found there. Each
-format is quantized as ``portlayer compile`` would (passes/quantize.py, GPTQ on the CPU), then
+format is quantized as ``portlayer compile`` would (passes/quantize.py), then
 the float and quantized graphs run on the reference interpreter on the GPU and are graded by
 passes/quality_gate.py: once with the quantized model in bf16 against the float32 model (what
 a bf16 deployment sees), and once with the float model itself in bf16 (the bf16 floor).
 Prints a table and writes JSON (``--json``, else ``$OUT/gpu_quality_<device>_<dtype>.json`` when
-$OUT is set). ``--variants all`` adds the GPTQ variants (minutes more on the CPU).
+$OUT is set) after every variant, so a run cut short keeps what it measured; no variant starts
+after ``--budget`` seconds (default 390: the whole run stays within 7 minutes on an H200). The
+calibration run, AWQ's search and GPTQ run on ``--device`` (``calibration_device``).
+``--variants all`` grades every variant below.
 """
 
 from __future__ import annotations
@@ -30,17 +33,23 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int8": ("int8", {}),  # group 32, asymmetric, round-to-nearest
     "int8-per-channel": ("int8", {"group_size": 1 << 30, "symmetric": True, "quant_method": "rtn"}),
     "int8-per-channel-gptq": ("int8", {"group_size": 1 << 30, "symmetric": True, "quant_method": "gptq"}),
-    "int4": ("int4", {}),
+    "int4": ("int4", {}),  # the default calibrated method (passes/quantize.py DEFAULT_METHOD)
     "int4-rtn": ("int4", {"quant_method": "rtn"}),
-    "int4-gptq": ("int4", {"quant_method": "gptq"}),
+    "int4-clip": ("int4", {"quant_method": "clip"}),
     "int4-awq": ("int4", {"quant_method": "awq"}),
+    "int4-gptq": ("int4", {"quant_method": "gptq"}),
+    "int4-gptq-act": ("int4", {"quant_method": "gptq", "act_order": True}),
     "int4-awq-gptq-act": ("int4", {"quant_method": "awq+gptq", "act_order": True}),
+    "int4-awq-float-calib": ("int4", {"quant_method": "awq", "sequential": False}),
     "int4-g32": ("int4", {"group_size": 32, "quant_method": "rtn"}),
 }
-QUICK = ("int8", "int8-per-channel", "int4", "int4-rtn", "int4-g32")  # no GPTQ: fits a 10-minute slot
+#: the default set: fits the 7-minute budget on an H200 (calibration and GPTQ on the GPU)
+QUICK = ("int8", "int4", "int4-rtn", "int4-gptq-act", "int4-awq-gptq-act", "int4-g32")  # int4 is int4-clip
 
 
 def _paths() -> None:
+    if str(ROOT) not in sys.path:  # a plain checkout: portlayer/ maps the stage folders (no install needed)
+        sys.path.insert(0, str(ROOT))
     site = ROOT / ".devcarry" / "site"
     if site.is_dir():
         sys.path.insert(0, str(site))
@@ -60,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(QUICK), metavar="NAME",
                     help=f"int8/int4 variants to grade, or 'all' (default: {' '.join(QUICK)}; all: {' '.join(VARIANTS)})")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--calibration-tokens", type=int, default=None, help="cap on the calibration text (default: the pass's)")
+    ap.add_argument("--budget", type=float, default=390.0, metavar="SECONDS",
+                    help="start no new variant after this many seconds (the H200 slot is 10 minutes; default 390)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v != "all" and v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     _paths()
 
     import torch
@@ -91,7 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     todo = [("native", "native", None)] if native and "native" in args.formats else []
     todo += [(name, fmt, opts) for name, (fmt, opts) in VARIANTS.items()
              if fmt in args.formats and ("all" in args.variants or name in args.variants)]
+    if args.json is None and os.environ.get("OUT"):
+        args.json = str(Path(os.environ["OUT"]) / f"gpu_quality_{args.device.split(':')[0]}_{args.dtype}.json")
+    _write(args, rows)
     for name, fmt, opts in todo:
+        if time.perf_counter() - t0 > args.budget:
+            print(f"budget of {args.budget:.0f} s spent: {name} and later variants not run", flush=True)
+            rows.append({"format": name, "skipped": f"budget of {args.budget:.0f} s spent"})
+            continue
+        opts = dict(opts or {}, calibration_device=args.device)
+        if args.calibration_tokens:
+            opts["calibration_tokens"] = args.calibration_tokens
         t1 = time.perf_counter()
         res = run_pipeline(graph, args.target, overrides={"weight_quantization": fmt}, verify=False, options=opts)
         tq = time.perf_counter() - t1
@@ -100,16 +125,25 @@ def main(argv: list[str] | None = None) -> int:
                      **r.to_json(), "quantize_seconds": round(tq, 1), "seconds": round(time.perf_counter() - t1, 1)})
         print(rows[-1]["format"], f"{rows[-1]['method']}: {r.summary()} [quantize {tq:.0f} s, total {rows[-1]['seconds']} s]",
               flush=True)
+        _write(args, rows)  # after each variant: a run cut short keeps what it measured
     print(f"{'format':<36} {'top-1':>7} {'mean KL':>9} {'ppl ratio':>10} {'quantize s':>10}  gate")
     for r in rows:
+        if "skipped" in r:
+            print(f"{r['format']:<36} {'':>7} {'':>9} {'':>10} {'':>10}  skipped: {r['skipped']}")
+            continue
         verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
         print(f"{r['format']:<36} {r['top1']:>7.1%} {r['mean_kl']:>9.4f} {r['ppl_ratio']:>10.4f} "
               f"{r.get('quantize_seconds', 0):>10}  {verdict}")
-    if args.json is None and os.environ.get("OUT"):
-        args.json = str(Path(os.environ["OUT"]) / f"gpu_quality_{args.device.split(':')[0]}_{args.dtype}.json")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
+    print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
+        tmp.replace(args.json)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,46 @@ def test_int4_awq_gptq_pipeline_close_to_hf(captured, tiny_dirs):
     assert meta["awq_scaled_layers"] == 2 * 6 and "AWQ scales + GPTQ (act-order)" in meta["method"]
     got = interpret(res.graph, ids)
     assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) >= 0.98
+
+
+def test_output_error_clip_search_beats_weight_error_clip_on_the_layer_output():
+    """rtn with the input Gram blocks picks each group's clip by the layer's output error on the
+    calibration inputs; graded on held-out inputs of the same distribution, against torch matmuls."""
+    from portlayer.passes.gptq import gram_blocks, rtn
+
+    w, x = _outlier_layer(2)
+    fit, held = x[:256], x[256:]  # fitted on the first half, graded on the second
+    h = gram_blocks(fit.T.double() @ fit.double(), 256, 64)
+    assert torch.allclose(h[1], (fit[:, 64:128].T @ fit[:, 64:128]) / 256, rtol=1e-4, atol=1e-4)
+    errs = {}
+    for name, hb in (("weight", None), ("output", h)):
+        q, sc, off = rtn(w, 4, 64, False, hb)
+        errs[name] = float((held @ (dequantize(q, sc, 8, 64, off) - w).T).norm())
+    assert errs["output"] < 0.97 * errs["weight"], errs
+
+
+def test_awq_fold_into_a_quantized_producer_is_exact(captured):
+    """True-sequential AWQ folds down_proj's 1/s into an up_proj that is already linear_wq: its rows'
+    scales and offsets are divided, which must leave the graph's outputs unchanged (vs. torch on
+    the unfolded graph)."""
+    from portlayer.flatten.ir import Node, TensorType
+    from portlayer.passes.awq import apply_scale, fold_target
+    from portlayer.passes.pipeline import run_pipeline
+
+    g = run_pipeline(captured["tiny-qwen3"], "cpu-x86_64", overrides={"weight_quantization": "int4"},
+                     options={"quant_method": "rtn"}).graph
+    g.weights = dict(g.weights)
+    ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(4))
+    before = interpret(g, ids)
+    downs = [i for i, n in enumerate(g.nodes) if n.op == "linear_wq" and n.name.endswith("down_proj")]
+    for i in downs:  # scale the quantized down_proj's input by s: fold 1/s into up_proj, x s into down's dequantized rows
+        where = fold_target(g, [i])
+        assert where is not None and where[0] == "rows" and g.nodes[where[1]].op == "linear_wq"
+        n = g.nodes[i]
+        w = dequantize(g.weights[n.inputs[1]], g.weights[n.inputs[2]], 4, n.attrs["group_size"], g.weights[n.inputs[4]])
+        s = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(i)) + 0.5
+        g.nodes[i] = Node(n.name, "linear", [n.inputs[0], n.inputs[1] + "_float", None], n.outputs, {}, n.meta)
+        g.weights[n.inputs[1] + "_float"] = w
+        g.params[n.inputs[1] + "_float"] = TensorType("float32", tuple(w.shape))
+        apply_scale(g, [i], where, s)
+    assert (interpret(g, ids) - before).abs().max() < 1e-4

@@ -88,3 +88,16 @@ def test_gptq_with_identity_hessian_is_round_to_nearest_and_lowers_layer_error()
         return (q.float().reshape(48, 2, 128) * s[:, :, None] + o[:, :, None]).reshape(48, 256)
 
     assert (x @ (w - deq(q, s, o)).T).norm() < 0.8 * (x @ (w - deq(qr, sr, orr)).T).norm()
+
+
+def test_calibrated_clip_beats_round_to_nearest_sequential_or_not(captured):
+    """The int4 default (output-error clip search, true-sequential) and its float-calibrated
+    variant both grade better than plain round-to-nearest on the held-out text."""
+    from portlayer.passes.pipeline import run_pipeline
+
+    g = captured["tiny-qwen3"]
+    opts = {"rtn": {"quant_method": "rtn"}, "seq": {}, "float": {"sequential": False}}
+    res = {k: run_pipeline(g, "cpu-x86_64", overrides={"weight_quantization": "int4"}, options=o) for k, o in opts.items()}
+    assert "output-error clip, sequential" in res["seq"].graph.meta["quantization"]["method"]
+    kl = {k: Q.gate(g, r.graph, "int4").mean_kl for k, r in res.items()}
+    assert kl["seq"] < kl["rtn"] and kl["float"] < kl["rtn"], kl

@@ -47,3 +47,12 @@ def test_default_for_a_gguf_source_is_native_and_explicit_wins():
     d = negotiate(req, "nvidia-a100-80gb", {"weight_quantization": "int4"},
                   quality={"rejected": {"int4": "x"}}).decision("weight_quantization")
     assert d.value == "int4" and d.reason.startswith("user override")
+
+
+@pytest.mark.parametrize("target", list_descriptors())
+def test_a_gguf_source_defaults_to_its_native_blocks_on_every_descriptor(target):
+    """SmolLM2's GGUF: every shipped descriptor's default plan keeps the Q4_1 blocks (the format the
+    gate measured at 100% top-1, tests/test_smollm2.py), and says so in the decision explain prints."""
+    req = ModelRequirements.from_hf_config(SMOLLM2, name="smollm2")
+    d = negotiate(req, target, quality={"native": "Q4_1"}).decision("weight_quantization")
+    assert d.value == "native" and "Q4_1" in d.reason, (target, d)

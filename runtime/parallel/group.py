@@ -169,6 +169,7 @@ class ProxyExecutable:
                 dist.destroy_process_group()
         except Exception:  # leaving a failed group
             pass
+        restore_threads()
 
 
 def _fail(message: str) -> None:
@@ -196,7 +197,12 @@ def worker_loop(inner: Any, control: Any, device: Any) -> None:
     layout: Any = None
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        try:
+            dist.broadcast_object_list(box, src=0, group=control)
+        except Exception as e:  # rank 0 is gone (stopped by a signal, or failed): its own exit says why
+            if not _is_comm_error(e):
+                raise
+            _leave_quietly(f"rank 0 left the group ({str(e).splitlines()[0][:160]})")
         kind, payload = box[0]
         if kind == "stop":
             return
@@ -205,7 +211,21 @@ def worker_loop(inner: Any, control: Any, device: Any) -> None:
             caches = None if want is None else [
                 tuple(torch.zeros(shape, dtype=getattr(torch, dt), device=device) for shape, dt in pair) for pair in want]
             layout = want
-        inner.run({k: v.to(device) for k, v in feeds.items()}, _to(meta, device), caches)
+        try:
+            inner.run({k: v.to(device) for k, v in feeds.items()}, _to(meta, device), caches)
+        except Exception as e:
+            if not _is_comm_error(e):
+                raise
+            _leave_quietly(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+
+
+def _leave_quietly(why: str) -> None:
+    """A worker whose group broke: one line, no traceback, exit 0 (the rank that failed reports the error)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    print(f"portlayer: tensor-parallel rank {rank} stops: {why}", file=sys.stderr, flush=True)
+    os._exit(0)
 
 
 # ---- launching ranks from a plain process ----------------------------------------------------------------
@@ -272,12 +292,33 @@ def _worker_main(path: str, rank: int, world: int, addr: str, port: int, options
     from portlayer.runtime.loaded import open_artifact
     from portlayer.runtime.parallel.launch import rank_executable
 
-    loaded = open_artifact(path, interpret=bool(options.get("interpret")))
+    loaded = open_artifact(path, interpret=bool(options.get("interpret")), emulate=bool(options.get("emulate")))
     inner, control, device = rank_executable(loaded, rank, world)
     worker_loop(inner, control, device)
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+_THREADS_BEFORE: dict[str, int] = {}  # the process's own thread count, restored when its group closes
+
+
+def share_cores(world: int) -> None:
+    """N ranks on one CPU: each rank's intra-op threads get its share of the cores (as vLLM's CPU workers
+    do), not all of them, which would oversubscribe the host N-fold. PORTLAYER_TP_THREADS overrides."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    want = os.environ.get("PORTLAYER_TP_THREADS")
+    _THREADS_BEFORE.setdefault("n", torch.get_num_threads())
+    torch.set_num_threads(int(want) if want and want.isdigit() and int(want) > 0 else max(1, cores // world))
+
+
+def restore_threads() -> None:
+    """Give this process back the intra-op thread count it had before :func:`share_cores`."""
+    if "n" in _THREADS_BEFORE:
+        torch.set_num_threads(_THREADS_BEFORE.pop("n"))
 
 
 def start_workers(path: str, world: int, options: Mapping[str, Any]) -> tuple[list[Any], str, int]:

@@ -17,6 +17,8 @@ from portlayer.runtime.parallel.group import (
     Watchdog,
     init_group,
     launched_by_torchrun,
+    restore_threads,
+    share_cores,
     start_workers,
     torch_backend,
     worker_loop,
@@ -33,12 +35,15 @@ def rank_executable(loaded: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
     graph = loaded.graph
     graph.weights = read_shard(loaded.manifest, graph, rank)
     dev = loaded.device
-    if dev is not None and dev.torch_device and dev.torch_device != "cpu" and not loaded.interpreted:
+    on_cpu = loaded.interpreted or loaded.emulated  # a GPU / NPU artifact run on this CPU: gloo, no device index
+    if dev is not None and dev.torch_device and dev.torch_device != "cpu" and not on_cpu:
         local = int(os.environ.get("LOCAL_RANK", rank))  # one accelerator per rank on this host
         dev.index, dev.torch_device = local, f"{dev.torch_device.split(':')[0]}:{local}"
         if dev.torch_device.startswith("cuda") and torch.cuda.is_available():
             torch.cuda.set_device(local)
-    control = init_group(rank, world, torch_backend(loaded.descriptor) if not loaded.interpreted else "gloo")
+    if loaded.torch_device == "cpu":  # ranks on one host's CPU: their share of its cores each
+        share_cores(world)
+    control = init_group(rank, world, "gloo" if on_cpu else torch_backend(loaded.descriptor))
     loaded.tp_rank = rank
     inner = loaded.executable()
     return inner, control, inner.device
@@ -68,7 +73,8 @@ def start_executable(loaded: Any) -> Any:
             raise SystemExit(0)
         proxy = ProxyExecutable(inner, control, world)
     else:
-        procs, addr, port = start_workers(str(loaded.path), world, {"interpret": loaded.interpreted})
+        procs, addr, port = start_workers(str(loaded.path), world,
+                                          {"interpret": loaded.interpreted, "emulate": loaded.emulated})
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         watchdog = Watchdog(procs)
         watchdog.start()
@@ -76,6 +82,7 @@ def start_executable(loaded: Any) -> Any:
             inner, control, _ = rank_executable(loaded, 0, world)
         except Exception as e:  # the rendezvous failed: say which rank, not only what gloo saw
             time.sleep(0.5)
+            restore_threads()
             watchdog.handled = watchdog.stopping = True
             watchdog.join_workers(0.5)
             why = watchdog.failure or f"{type(e).__name__}: {str(e)[:300]}"
