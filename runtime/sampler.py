@@ -94,11 +94,12 @@ class Sampler:
         both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
         if both.device.type == "cpu":
             return PendingTokens(both[0], both, None)
+        if both.device.type != "cuda":  # no event to wait on here: copy now (correct, not overlapped)
+            return PendingTokens(both[0], both.cpu(), None)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event() if both.device.type == "cuda" else None
-        if event is not None:
-            event.record()
+        event = torch.cuda.Event()
+        event.record()
         return PendingTokens(both[0], host, event)
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
