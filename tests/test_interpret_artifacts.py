@@ -62,8 +62,9 @@ def test_cross_compiled_artifact_validates_under_the_interpreter(tiny_dirs, tmp_
     report = loaded.validate()
     assert report.ok, report.format_table()
     if quantize == "none":
-        out = loaded.engine().generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
-        assert list(out.token_ids) == hf_greedy[model]
+        # 8 tokens: each interpreted decode step is seconds (the few-rows GEMM runs N/BLOCK_N programs)
+        out = loaded.engine().generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        assert list(out.token_ids) == hf_greedy[model][:8]
 
 
 def test_cli_validate_and_run_interpret(tiny_dirs, tmp_path, hf_greedy):
