@@ -59,9 +59,9 @@ def launch(engine: Any, batch: Any, prev: InFlight | None, outputs: list[Request
 
 
 def resolve(engine: Any, step: InFlight) -> list[RequestOutput]:
-    """Wait for ``step``'s tokens; append them, stop what stops, hash filled blocks; the outputs."""
-    if step.pending is None:
-        return sample_now(engine, step)
+    """Wait for ``step``'s tokens (an overlapped step: ``pending`` set); append them, stop what stops,
+    hash filled blocks; the outputs."""
+    assert step.pending is not None, "a step sampled on the host is finished by sample_now"
     toks, finite = step.pending.result()
     outputs: list[RequestOutput] = []
     for seq, slot, tok, ok in zip(step.due, step.slots, toks, finite):
@@ -71,23 +71,14 @@ def resolve(engine: Any, step: InFlight) -> list[RequestOutput]:
             outputs.append(engine._fail(seq, "the model produced non-finite logits (NaN or Inf) for this request"))
             continue
         seq.output_token_ids[slot] = int(tok)
-        upto = slot + 1
-        reason = seq.stop_reason(engine.eos_token_id, engine.config.max_model_len, upto)
-        if reason:
-            engine.scheduler.finish(seq, reason)  # drops the placeholder of the step in flight, if any
-            engine.requests.pop(seq.request_id, None)
-        outputs.append(engine._output(seq, upto))
-    for seq, _ in step.ran:
-        if not seq.finished:
-            engine.block_manager.register_computed(seq)
+        outputs.append(_stop_or_go(engine, seq, slot + 1))
+    _hash_computed(engine, step)
     return outputs
 
 
 def sample_now(engine: Any, step: InFlight) -> list[RequestOutput]:
     """The synchronous tail of a step: sample on the host, append, stop, outputs."""
-    for seq, _ in step.ran:
-        if not seq.finished:
-            engine.block_manager.register_computed(seq)
+    _hash_computed(engine, step)
     outputs: list[RequestOutput] = []
     live = [s for s in step.due if not s.finished]
     rows = step.logits if len(live) == len(step.due) or step.logits is None else step.logits[
@@ -97,9 +88,22 @@ def sample_now(engine: Any, step: InFlight) -> list[RequestOutput]:
             outputs.append(engine._fail(seq, tok))
             continue
         seq.append_token(tok)
-        reason = seq.stop_reason(engine.eos_token_id, engine.config.max_model_len)
-        if reason:
-            engine.scheduler.finish(seq, reason)
-            engine.requests.pop(seq.request_id, None)
-        outputs.append(engine._output(seq))
+        outputs.append(_stop_or_go(engine, seq))
     return outputs
+
+
+def _stop_or_go(engine: Any, seq: Sequence, upto: int | None = None) -> RequestOutput:
+    """Finish ``seq`` if its token at ``upto - 1`` (default: its newest) stops it; its output either way.
+    Finishing drops the placeholder of a step in flight, if any."""
+    reason = seq.stop_reason(engine.eos_token_id, engine.config.max_model_len, upto)
+    if reason:
+        engine.scheduler.finish(seq, reason)
+        engine.requests.pop(seq.request_id, None)
+    return engine._output(seq, upto)
+
+
+def _hash_computed(engine: Any, step: InFlight) -> None:
+    """Register the prefix-cache blocks the step's sequences filled (their tokens are known now)."""
+    for seq, _ in step.ran:
+        if not seq.finished:
+            engine.block_manager.register_computed(seq)

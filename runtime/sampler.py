@@ -79,16 +79,13 @@ class Sampler:
     def greedy_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[bool]] | None:
         """(argmax, all-finite) of every row in one device-to-host copy, the all-greedy step's only sync;
         None when a row needs more than its argmax (sampling, or a subclass recording logprobs)."""
-        if not all(s.params.greedy for s in seqs):
-            return None
-        both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
-        toks, finite = both.tolist()
-        return toks, [bool(f) for f in finite]
+        pending = self.greedy_async(logits, seqs)
+        return None if pending is None else pending.result()
 
     def greedy_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens | None:
         """greedy_rows without waiting: the argmax stays on the device (the next step's inputs read it
         there) and its host copy is in flight; None when a row needs more than its argmax. A subclass
-        that records more per row (logprobs) overrides this as it does greedy_rows."""
+        that records more per row (logprobs) overrides this (greedy_rows follows it)."""
         if not all(s.params.greedy for s in seqs):
             return None
         both = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))

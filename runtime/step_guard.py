@@ -25,7 +25,7 @@ def execute_isolating_failures(runner: Any, items: Seq[Item], pending: torch.Ten
     """(items that ran, sequences due a token, their logits rows, (sequence, message) for failures).
     ``pending``: the in-flight step's tokens (ModelRunner.prepare)."""
     try:
-        due, logits = runner.execute(items, pending) if pending is not None else runner.execute(items)
+        due, logits = runner.execute(items, pending)
         return list(items), list(due), logits, []
     except Exception as e:
         if len(items) == 1:

@@ -45,12 +45,8 @@ class LogprobSampler(Sampler):
                 self._records.setdefault(seq.request_id, []).append(rec)
         return tokens
 
-    def greedy_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[bool]] | None:
-        if any(s.request_id in self.want for s in seqs):
-            return None  # the rows asking for logprobs go through __call__, which records them
-        return super().greedy_rows(logits, seqs)
-
     def greedy_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens | None:
+        """Also greedy_rows' rule (it calls this): rows asking for logprobs go through __call__, which records them."""
         if any(s.request_id in self.want for s in seqs):
             return None
         return super().greedy_async(logits, seqs)
