@@ -170,7 +170,12 @@ def run_child(what: str, model: Path, target: str, art: Path, env: dict[str, str
               timeout: float) -> dict:
     code = CHILD.format(bench=str(Path(__file__).resolve().parent), validate=validate)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, what, str(model), target, str(art)], env=env,
+    cmd = [sys.executable, "-c", code, what, str(model), target, str(art)]
+    spy = os.environ.get("PORTLAYER_BENCH_PYSPY")  # a py-spy binary: sample the child into $OUT (profiling runs)
+    if spy:
+        prof = Path(os.environ.get("OUT", ".")) / f"pyspy_{what}_{target}.txt"
+        cmd = [spy, "record", "-r", "10", "-f", "raw", "-o", str(prof), "--"] + cmd
+    proc = subprocess.run(cmd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_SCALE ")]
