@@ -127,3 +127,27 @@ def test_concurrent_reference_gives_the_serial_artifact(tiny_dirs, tmp_path, mon
         for h in m["stages"]["history"]:
             h["summary"].pop("seconds", None)  # each pass's own timing
     assert serial == overlap  # includes every file's sha256 (weights, graph, sources, validation set)
+
+
+def test_lockstep_reference_is_the_per_step_reference_bit_for_bit(captured):
+    """compute_reference runs every step node by node side by side (one float32 cast per weight);
+    each output equals run_case on the per-step reference interpreter, for every tiny architecture
+    and for bf16 weights (a lazy cast on a lazy cast)."""
+    from portlayer.runtime import validation as V
+
+    graphs = dict(captured)
+    g = captured["tiny-llama"].copy()
+    g.weights = WS.cast_view(g.weights, torch.bfloat16)
+    graphs["tiny-llama-bf16"] = g
+    for name, graph in graphs.items():
+        got = V.compute_reference(graph, 16, seed=3)
+        want = V.build_cases(graph, seed=3)
+        ref = V._Reference(graph)
+        assert [c.name for c in got] == [c.name for c in want]
+        for gc, wc in zip(got, want):
+            outs = V.run_case(ref, graph, wc, 16)
+            assert len(gc.steps) == len(outs)
+            for i, (s, o) in enumerate(zip(gc.steps, outs)):
+                assert len(s.outputs) == len(o) > 0, (name, gc.name, i)
+                for a, b in zip(s.outputs, o):
+                    assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, gc.name, i)
