@@ -9,6 +9,12 @@ import sys
 import types
 from typing import Any
 
+# What the eager imports made before anything else (cheap; no transformers): the op registry, since
+# op_defs.attention and op_defs.mla import each other through it, and the torch.ops.portlayer custom ops
+# the aten converters name (flatten/from_export_compute.py).
+from portlayer.flatten import hf_attention as _hf_attention  # noqa: F401
+from portlayer.flatten import ops as _ops  # noqa: F401
+
 #: public name -> the submodule that defines it
 _LAZY = {
     "CaptureError": "capture", "capture": "capture",

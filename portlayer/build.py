@@ -384,8 +384,11 @@ class _Reference:
     def __init__(self, graph: Graph, block_size: int, seed: int, stages: Stages) -> None:
         import threading
 
+        import torch
+
         from portlayer.runtime import validation as V
 
+        grad = torch.is_grad_enabled()  # thread-local in torch: the helper runs as its caller would
         self._cases: Any = None
         self._error: BaseException | None = None
         self._stages = stages
@@ -393,7 +396,8 @@ class _Reference:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                self._cases = V.compute_reference(graph, block_size, seed)
+                with torch.set_grad_enabled(grad):
+                    self._cases = V.compute_reference(graph, block_size, seed)
             except BaseException as e:  # noqa: BLE001 - re-raised in the compiling thread by result()
                 self._error = e
             stages.timings["reference"] = round(time.perf_counter() - t0, 3)
