@@ -93,7 +93,7 @@ def test_launch_configs_follow_warp_size(captured):
     amd, _ = _gen(captured["tiny-qwen3"], "amd-mi300x")
     warps = {k.family: k.num_warps for k in nv.kernels.values()}
     warps_amd = {k.family: k.num_warps for k in amd.kernels.values()}
-    assert warps["attn_prefill"] == 2 * warps_amd["attn_prefill"]  # 64-wide wavefronts: half the warps
+    assert warps["attn_decode"] == 2 * warps_amd["attn_decode"]  # 64-wide wavefronts: half the warps
 
 
 def test_codegen_refuses_a_graph_the_pipeline_did_not_plan(captured):

@@ -18,8 +18,8 @@ from portlayer.codegen.host_support import HostProgram, W_T, gemm_block_m, gemv_
 class Program(HostProgram):
     KERNELS = (
         "attn_decode_bf16_9f9fe9",
-        "attn_prefill_dense_bf16_f826c5",
-        "attn_prefill_paged_bf16_261673",
+        "attn_prefill_dense_bf16_02d7e6",
+        "attn_prefill_paged_bf16_fbf2dd",
         "embedding_bf16_2a9561",
         "gemv_bf16_391b0f",
         "gemv_epi_silu_mul_bf16_bb5644",
@@ -77,10 +77,10 @@ class Program(HostProgram):
             if st.slot_mapping is not None:
                 K.reshape_and_cache_bf16_f2d25f[(T,)](l0_self_attn_rope_1, l0_self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, T, ROW=32, BLOCK=32, num_warps=1)
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_261673[(triton.cdiv(st.max_query_len, 128), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_fbf2dd[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     l0_self_attn_rope, k_cache, v_cache, l0_self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
-                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=8, num_stages=3)
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    num_warps=4, num_stages=3)
             if st.num_decodes:
                 K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
@@ -91,9 +91,9 @@ class Program(HostProgram):
                     self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills,
                     HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=4)
         else:
-            K.attn_prefill_dense_bf16_f826c5[(triton.cdiv(st.max_query_len, 128), st.num_seqs, 4)](
-                l0_self_attn_rope, l0_self_attn_rope_1, l0_self_attn_reshape_2, l0_self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
-                num_warps=8, num_stages=3)
+            K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
+                l0_self_attn_rope, l0_self_attn_rope_1, l0_self_attn_reshape_2, l0_self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
+                num_warps=4, num_stages=3)
         l0_self_attn_reshape_3 = l0_self_attn_attention.reshape(T, 64)
 
         # l0_self_attn_o_proj: triton.gemm [linear]
@@ -190,10 +190,10 @@ class Program(HostProgram):
             if st.slot_mapping is not None:
                 K.reshape_and_cache_bf16_f2d25f[(T,)](self_attn_rope_1, self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, T, ROW=32, BLOCK=32, num_warps=1)
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_261673[(triton.cdiv(st.max_query_len, 128), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_fbf2dd[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     self_attn_rope, k_cache, v_cache, self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
-                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=8, num_stages=3)
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    num_warps=4, num_stages=3)
             if st.num_decodes:
                 K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
@@ -204,9 +204,9 @@ class Program(HostProgram):
                     self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills,
                     HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=4)
         else:
-            K.attn_prefill_dense_bf16_f826c5[(triton.cdiv(st.max_query_len, 128), st.num_seqs, 4)](
-                self_attn_rope, self_attn_rope_1, self_attn_reshape_2, self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
-                num_warps=8, num_stages=3)
+            K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
+                self_attn_rope, self_attn_rope_1, self_attn_reshape_2, self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
+                num_warps=4, num_stages=3)
         self_attn_reshape_3 = self_attn_attention.reshape(T, 64)
 
         # self_attn_o_proj: triton.gemm [linear]
