@@ -135,10 +135,19 @@ def _scratch(g: Graph, k: dict[str, Any], st: FuseState, users: dict[str, list[N
     return list(impl.scratch(resolve_group(g, k, st.nodes, users)))
 
 
+def _gemv_rows(ctx: PassContext) -> int:
+    """The few-rows GEMM's row limit where this target generates it (as backends/generate.py reads it)."""
+    from portlayer.codegen.gemm_rule import gemv_max_tokens
+
+    if getattr(ctx.descriptor, "codegen", None) != "triton" or "gemv" not in (ctx.plan.launch_configs or {}):
+        return 0
+    return gemv_max_tokens(ctx.descriptor)
+
+
 def fuse(graph: Graph, ctx: PassContext) -> Graph:
     g = graph.copy()
     limit = int(ctx.options.get("max_fused_inputs") or ctx.plan.max_fused_inputs)
-    st = FuseState(g, limit)
+    st = FuseState(g, limit, gemv_rows=_gemv_rows(ctx))
     _initial(st)
     users = g.users()
     refusals: dict[str, str] = {}

@@ -35,6 +35,9 @@ class FuseState:
 
     graph: Graph
     max_inputs: int
+    #: rows at or below which the descriptor runs the few-rows GEMM (gemm_rule): a GEMM lowering's
+    #: ``accepts`` takes a norm prologue only where that kernel exists
+    gemv_rows: int = 0
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
     prod: dict[str, Node] = field(init=False)
