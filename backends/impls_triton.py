@@ -77,7 +77,7 @@ def _rope_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("rope", name="triton.rope", family="triton", priority=50, supported=TRITON, supports=_rope_ok,
-               accepts=accepts_rope, fusible=True, inplace=True)(build_rope)
+               accepts=accepts_rope, fusible=True, inplace=True, kv_write=True)(build_rope)
 
 
 def _embedding_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -134,4 +134,4 @@ def _attn_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("attention", name="triton.paged_attention", family="triton", priority=50, supported=TRITON,
-               supports=_attn_ok)(build_attention)
+               supports=_attn_ok, kv_from_rope=True)(build_attention)

@@ -57,9 +57,13 @@ def _accepts_prologue(query: GroupQuery, parts: GemmParts, members: set[str]) ->
     x_t = query.types[norm.inputs[0]]
     if x_t.rank != 2 or norm.outputs[0].type.dtype not in FLOAT_DTYPES:
         return False, f"the prologue normalises [rows, K] float rows, not {x_t}"
+    cap = int(getattr(query, "gemv_weight_bytes", 0))
     for n in parts.linears:
         if n.op != "linear":
             return False, f"{n.name} is {n.op}: the quantized few-rows kernel takes no norm prologue"
+        if cap > 0 and query.types[n.inputs[1]].nbytes({}) > cap:
+            return False, (f"{n.name}'s weight is above tuning.gemv_max_weight_mib: the vendor GEMM runs it at "
+                           "every row count, so the norm stays its own kernel")
         if n.inputs[0] != y:
             return False, f"{n.name} reads {n.inputs[0]}, not the norm's output {y}"
     if query.used_outside(y, members):

@@ -16,7 +16,6 @@ from typing import Any
 from portlayer.codegen.expr import load_line, lower_chain
 from portlayer.codegen.host_support import gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
-from portlayer.codegen.lowering import KernelGroup
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
