@@ -15,13 +15,13 @@ git log -1 --format='commit %H' 2>/dev/null || true
 art=/tmp/art06-fuse
 rm -rf "$art"
 echo "== Qwen3-0.6B shape, bf16: compile for nvidia-h200, decode b1/b16/b64"
-timeout 240 python benchmarks/bench_serving.py --compile-target nvidia-h200 --artifact-out "$art" \
+timeout 270 python benchmarks/bench_serving.py --compile-target nvidia-h200 --artifact-out "$art" \
   --decode-batches 1,16,64 --decode-steps 32 --skip-serving --json "$OUT/bench06.json" 2> "$OUT/bench06.err" | tail -5
 grep -E "decode:|compile" "$OUT/bench06.err" | tail -4
 echo "== validate"
-timeout 120 python -m portlayer.cli validate "$art" --json "$OUT/validate06.json" 2>&1 | tail -4
+timeout 90 python -m portlayer.cli validate "$art" --json "$OUT/validate06.json" 2>&1 | tail -4
 echo "== launches per decoder layer at decode batch 1 (recorded from a real eager decode step, graphs off)"
-timeout 120 python - "$art" "$OUT/launches.json" <<'PY'
+timeout 90 python - "$art" "$OUT/launches.json" <<'PY'
 import collections, json, os, sys
 from portlayer.codegen import kernel_binaries as KB
 from portlayer.runtime.engine import LLMEngine

@@ -1,7 +1,7 @@
 """Decode-time fusions of the few-rows GEMM (issue 12 lever 1), checked on real runs.
 
-The nvidia-h200 program of small Llama / Qwen3 / Qwen2 configs (odd hidden sizes that no block
-divides, MQA, head_dim 32/64, q/k norm, QKV biases, tied embeddings) runs under the Triton
+The nvidia-h200 program of small Llama / Qwen3 / Qwen2 / Phi-3 configs (odd hidden sizes that no block
+divides, MQA, head_dim 16/32/64, q/k norm, QKV biases, tied embeddings, fused qkv/gate_up weights) runs under the Triton
 interpreter: its launches per decoder layer at decode batch 1 are counted from the kernels the
 program really calls (a model with one more layer makes that many more launches), and greedy tokens
 equal HF generate at decode batch 1 (the fused few-rows kernels: norm prologue, Q|K|V and gate|up
@@ -31,6 +31,10 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(hidden_size=48, intermediate_size=72, num_attention_heads=3, num_key_value_heads=1,
                    tie_word_embeddings=True)),
+    # one fused qkv_proj / gate_up_proj weight: the single-linear few-rows kernel with the norm prologue
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(hidden_size=48, intermediate_size=72, num_attention_heads=3, num_key_value_heads=1, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2)),
 }
 VOCAB = 96
 PROMPTS = [[5, 17, 42, 90, 3], [7, 8, 9], [60, 1, 64, 33]]
@@ -69,7 +73,7 @@ def built(tmp_path_factory):
     out = {}
     root = tmp_path_factory.mktemp("decode-fusion")
     target = _few_cus(root)
-    for arch, layers in [("llama", 2), ("llama", 3), ("qwen3", 2), ("qwen3", 3), ("qwen2", 2)]:
+    for arch, layers in [("llama", 2), ("llama", 3), ("qwen3", 2), ("qwen3", 3), ("qwen2", 2), ("phi3", 2)]:
         model = _model(arch, layers)
         src = root / f"{arch}-{layers}"
         model.save_pretrained(str(src))
@@ -144,7 +148,7 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return gen[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "phi3"])
 def test_greedy_equals_hf_below_and_above_the_rows_rule(built, monkeypatch, arch):
     from portlayer.runtime.sequence import SamplingParams
 
