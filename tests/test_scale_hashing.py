@@ -151,3 +151,20 @@ def test_lockstep_reference_is_the_per_step_reference_bit_for_bit(captured):
                 assert len(s.outputs) == len(o) > 0, (name, gc.name, i)
                 for a, b in zip(s.outputs, o):
                     assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, gc.name, i)
+
+
+def test_a_cold_model_hash_overlaps_the_capture_imports_and_is_the_same_hash(tiny_dirs, tmp_path, monkeypatch):
+    import threading
+
+    from portlayer import api
+
+    d = tiny_dirs["tiny-qwen3"]
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "cold"))  # nothing memoised
+    monkeypatch.setattr(api, "PREWARM_MIN_BYTES", 0)
+    ran: list[str] = []
+    real = api._prewarm_imports
+    monkeypatch.setattr(api, "_prewarm_imports", lambda p: (ran.append(threading.current_thread().name), real(p)))
+    got = api._model_source(str(d)).sha256
+    assert ran == ["portlayer-prewarm"]
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "cold2"))
+    assert got == cache.model_dir_hash(d)
