@@ -29,9 +29,9 @@ import sys
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from portlayer.errors import PortlayerError
@@ -317,6 +317,28 @@ class ProcessEngine:
             log.error("%s; failing %d requests", e, len(rids))
         for rid in rids:
             self._queues.pop(rid).put_nowait(EngineFailed(str(e)))
+
+
+def default_engine_core(spec: str, device: str = "cpu") -> str:
+    """'process' where the artifact's backend launches asynchronously (its steps then overlap with host work
+    that would otherwise share one GIL with HTTP), else 'thread'. Asks the backend adapter; loads nothing."""
+    from pathlib import Path
+
+    from portlayer.backends.registry import backend_class
+    from portlayer.runtime.artifact import MANIFEST
+
+    manifest = Path(spec) / MANIFEST
+    try:
+        if manifest.is_file():
+            target = json.loads(manifest.read_text())["target"]
+            device_type = str(target.get("backend") or target["device_type"])
+        else:
+            import torch
+
+            device_type = torch.device(device).type
+        return "process" if backend_class(device_type)(None, 0).launches_asynchronously() else "thread"
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        return "thread"  # an unreadable artifact: the load reports it
 
 
 def _params(p: Any) -> dict[str, Any]:

@@ -1,0 +1,170 @@
+"""The server with its engine in its own process (``--engine-core process``), on 127.0.0.1.
+
+One engine process per module (each costs an interpreter with torch and transformers). The
+references are the same as thread mode's (test_serve_api.py's tests, run here against the
+process server): the offline LLMEngine, the tokenizer, HF transformers. The engine's numbers
+(KV blocks, running requests) come from the child, through its stats messages and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+import test_serve_api as api
+import test_serve_load as load
+from serve_samples import chat_artifact, client, one_torch_thread, process_serving
+
+from portlayer.runtime.engine import LLMEngine
+from portlayer.runtime.sequence import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-process")
+
+
+@pytest.fixture(scope="module")
+def art(root):
+    with one_torch_thread():
+        yield chat_artifact(root)
+
+
+@pytest.fixture(scope="module")
+def ref(art):
+    return LLMEngine.from_artifact(art, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def srv(art):
+    with process_serving(art, ("tiny", "tiny-alias"), {"max_num_seqs": 64}) as s:
+        yield s
+
+
+def _stats_settle(srv, timeout: float = 20.0) -> dict:
+    """The child's stats once nothing runs and every KV block is free (or the last seen after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = srv.core.engine_stats()
+        if (not st["unfinished"] and st["free_blocks"] == st["num_blocks"]) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_the_api_process_holds_no_engine(srv):
+    assert srv.core.proc.pid != os.getpid() and srv.core.proc.poll() is None
+    assert srv.core.view.tokenizer is not None and srv.core.view.config.max_num_seqs == 64
+    assert not hasattr(srv.core, "engine")
+
+
+# thread mode's tests, unchanged, against the process server
+def test_greedy_completions_equal_engine(srv, ref):
+    with one_torch_thread():
+        api.test_completions_greedy_equal_engine_and_usage_equal_tokenizer(srv, ref)
+
+
+def test_stream_equals_whole(srv):
+    api.test_stream_equals_whole_with_usage(srv)
+
+
+def test_chat_template(srv, ref):
+    with one_torch_thread():
+        api.test_chat_uses_the_template(srv, ref)
+
+
+def test_stop_strings_abort_in_the_engine(srv, ref):
+    with one_torch_thread():
+        api.test_stop_strings_and_stop_token_ids(srv, ref)
+    st = _stats_settle(srv)
+    assert st["free_blocks"] == st["num_blocks"] and st["requests"] == 0
+
+
+def test_seeded_n2(srv, ref):
+    with one_torch_thread():
+        api.test_n2_and_seed_reproducible(srv, ref)
+
+
+def test_logprobs_cross_the_pipe(srv, ref, root):
+    with one_torch_thread():
+        api.test_completion_logprobs_match_hf(srv, ref, root)
+
+
+def test_metrics_from_the_child(srv):
+    _stats_settle(srv)
+    api.test_models_health_metrics(srv)
+
+
+def test_concurrent_streams_equal_offline_greedy(srv, art):
+    n = 64
+    ps = load.prompts(n, seed=3)
+    ref = LLMEngine.from_artifact(art, max_num_seqs=64)
+    with one_torch_thread():
+        want = [o.text for o in ref.generate(ps, SamplingParams(temperature=0.0, max_tokens=load.MAX_TOKENS,
+                                                                 ignore_eos=True))]  # fmt: skip
+
+    async def main():
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=srv.url, limits=limits, timeout=120) as c:
+            return await asyncio.wait_for(asyncio.gather(*(load._stream_one(c, p, i) for i, p in enumerate(ps))), 120)
+
+    results = asyncio.run(main())
+    assert sorted(r[0] for r in results) == list(range(n))
+    wrong = [tag for tag, text, _, _ in results if text != want[tag]]
+    assert not wrong, f"{len(wrong)} streams differ from offline greedy, e.g. request {wrong[0]}"
+    assert all(fin == "length" and k == load.MAX_TOKENS for _, _, fin, k in results)
+    st = _stats_settle(srv)
+    assert st["free_blocks"] == st["num_blocks"] and not st["unfinished"] and st["requests"] == 0
+
+
+def test_disconnects_abort_in_the_child_and_free_its_kv(srv):
+    ps = load.prompts(16, seed=1)
+    steps_before = srv.core.engine_stats()["steps"]
+
+    async def walk_away(c: openai.AsyncOpenAI, prompt: list[int]) -> int:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+        got = 0
+        async for _chunk in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()
+        return got
+
+    async def main() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            return await asyncio.wait_for(asyncio.gather(*(walk_away(c, p) for p in ps)), timeout=120)
+
+    assert asyncio.run(main()) == [3] * 16
+    st = _stats_settle(srv)
+    assert not st["unfinished"] and st["running"] == 0 and st["waiting"] == 0 and st["requests"] == 0
+    assert st["free_blocks"] == st["num_blocks"], f"{st['num_blocks'] - st['free_blocks']} KV blocks still held"
+    assert st["steps"] - steps_before < 16 * 400 // 4, "the requests ran to completion instead of being aborted"
+    text = httpx.get(srv.url + "/metrics").text
+    assert "portlayer:kv_cache_usage_perc 0.0" in text and "portlayer:num_requests_running 0.0" in text
+
+
+def test_a_dead_engine_process_fails_requests_and_health(art):
+    with process_serving(art, engine_kwargs={"max_num_seqs": 4}) as s:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        events = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            s.core.proc.kill()  # the engine dies mid-stream
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        err = json.loads(events[-2])
+        assert events[-1] == "[DONE]" and "engine process exited" in err["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        r2 = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
+        assert r2.status_code == 503 and "engine process is not running" in r2.json()["error"]["message"]
+        assert httpx.get(s.url + "/v1/models").status_code == 200  # the server itself still answers
