@@ -18,7 +18,7 @@ import openai
 import pytest
 import test_serve_api as api
 import test_serve_load as load
-from serve_samples import chat_artifact, client, one_torch_thread, process_serving
+from serve_samples import chat_artifact, one_torch_thread, process_serving
 
 from portlayer.runtime.engine import LLMEngine
 from portlayer.runtime.sequence import SamplingParams

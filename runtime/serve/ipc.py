@@ -76,7 +76,7 @@ FROM_CORE: Mapping[str, Mapping[str, Any]] = {
 }
 
 
-def encode(kind: str, **fields: Any) -> bytes:
+def encode(kind: str, /, **fields: Any) -> bytes:
     return json.dumps({"t": kind, **fields}, separators=(",", ":")).encode()
 
 

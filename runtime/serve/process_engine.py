@@ -116,7 +116,12 @@ class ProcessEngine:
                                        f"loading {self.spec}; its output is above")  # fmt: skip
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineStartError(f"the engine process did not load {self.spec} within {timeout:.0f} s")
-        msg = ipc.decode(self._conn.recv_bytes(), ipc.FROM_CORE)
+        try:
+            msg = ipc.decode(self._conn.recv_bytes(), ipc.FROM_CORE)
+        except (EOFError, OSError):
+            self.proc.wait()
+            raise EngineStartError(f"the engine process exited with status {self.proc.returncode} while loading "
+                                   f"{self.spec}; its output is above") from None  # fmt: skip
         if msg["t"] == "load_error":
             if msg["user_error"]:
                 raise EngineStartError(msg["message"])
