@@ -72,6 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     os.environ.setdefault("PORTLAYER_TP_EXIT_ON_FAILURE", "1")  # a dead tensor-parallel rank stops the server
     mode = args.engine_core if args.engine_core != "auto" else default_engine_core(args.artifact, args.device)
+    if mode == "process":
+        print(f"[portlayer] loading {args.artifact} in the engine process (--engine-core process)", file=sys.stderr,
+              flush=True)  # fmt: skip
     core = ProcessEngine(str(args.artifact), engine_kwargs(args), max_queue_len=args.max_queue_len) \
         if mode == "process" else None  # fmt: skip
     try:

