@@ -76,6 +76,23 @@ def test_the_api_process_holds_no_engine(srv):
     assert not hasattr(srv.core, "engine")
 
 
+def test_the_pipe_carries_checked_json_only(srv):
+    from portlayer.runtime.serve import ipc
+
+    msg = ipc.decode(ipc.encode("abort", rids=["a", "b"]), ipc.TO_CORE)
+    assert msg == {"t": "abort", "rids": ["a", "b"]}
+    bad = [b"\x80\x04pickle", b"[1, 2]", b'{"t": "exec", "code": "1"}', b'{"t": "abort", "rids": [1]}',
+           b'{"t": "add", "call": 0, "reqs": [{"rid": "x", "prompt": ["1"], "params": {}, "logprobs": null}]}']
+    for data in bad:
+        with pytest.raises(ipc.ProtocolError):
+            ipc.decode(data, ipc.TO_CORE)
+    for data in bad:  # the engine process drops them and goes on serving
+        srv.core._out.put(data)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3,
+                                                      "ignore_eos": True}, timeout=30)  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
 # thread mode's tests, unchanged, against the process server
 def test_greedy_completions_equal_engine(srv, ref):
     with one_torch_thread():

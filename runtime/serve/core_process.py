@@ -4,7 +4,7 @@ Started by ``ProcessEngine`` as a fresh interpreter (spawned, never forked: CUDA
 forked; ``python -m`` of this module, the pipe's file descriptor inherited), it opens the
 artifact itself (``LLMEngine.open`` with the server's options), saves the tokenizer where
 the API process asked (so the API process never loads weights), says ``ready``, then loops:
-run the commands that arrived (add, abort, embed, stats, shutdown; schema-checked JSON,
+run the commands that arrived (add, abort, embed, shutdown; schema-checked JSON,
 runtime/serve/ipc.py), step while anything is unfinished, send each step's new token ids,
 finish reasons and logprobs plus the engine stats in one message. Stepping never waits for
 the API process, whose event loop (SSE, JSON, detokenization) now has a GIL of its own.
@@ -139,8 +139,6 @@ class Core:
             self._reply(msg["call"], self._add, msg["reqs"])
         elif kind == "embed":
             self._reply(msg["call"], self._embed, msg["ids"])
-        elif kind == "stats":
-            self._reply(msg["call"], engine_stats, self.engine)
 
     def _reply(self, call: int, fn: Any, *args: Any) -> None:
         from portlayer.runtime.sequence import RequestRejected

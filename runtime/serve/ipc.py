@@ -60,7 +60,6 @@ TO_CORE: Mapping[str, Mapping[str, Any]] = {
     "add": {"call": lambda v: type(v) is int, "reqs": _add_reqs},
     "abort": {"rids": _strs},
     "embed": {"call": lambda v: type(v) is int, "ids": lambda v: isinstance(v, list) and all(_ints(x) for x in v)},
-    "stats": {"call": lambda v: type(v) is int},
     "shutdown": {},
 }
 

@@ -1,9 +1,9 @@
 """The API side of the engine-core process: ``AsyncEngine``'s interface over a pipe.
 
 ``ProcessEngine(spec, kwargs)`` spawns runtime/serve/core_process.py, waits until it has
-loaded the artifact (its load errors become a ``ServeError`` that names the artifact), and
+loaded the artifact (its load errors become an ``EngineStartError`` with the child's message), and
 loads the tokenizer the child saved, so this process holds no weights. Afterwards the event
-loop only sends commands (add, abort, embed, stats; a writer thread does the blocking
+loop only sends commands (add, abort, embed; a writer thread does the blocking
 writes) and a reader thread turns each step message into ``StepItem``s on the requests'
 queues. Detokenization and stop strings stay here (generation.py, ``TextStream``), as in
 thread mode; a stop string aborts the request in the child, which frees its KV blocks.
@@ -159,6 +159,9 @@ class ProcessEngine:
             if self._stopping and self.proc.poll() is not None:
                 return
             self._stopping = True
+        if self.proc.poll() is None and not hasattr(self, "info"):  # still loading (Ctrl-C, a timeout): nothing to drain
+            self.proc.kill()
+            self.proc.wait()
         if self.proc.poll() is None:
             if any(t.is_alive() for t in self._threads):  # one writer on the pipe: no interleaved frames
                 self._out.put(ipc.encode("shutdown"))
@@ -187,11 +190,6 @@ class ProcessEngine:
 
     def engine_stats(self) -> dict[str, Any]:
         """The child's latest stats (sent with every step, and after commands when idle)."""
-        return self._stats
-
-    async def fresh_stats(self) -> dict[str, Any]:
-        """Stats asked for now (after every command sent so far has run)."""
-        self._stats = await self._call("stats")
         return self._stats
 
     async def submit(self, subs: Sequence[Submission], queue: asyncio.Queue) -> list[str]:
