@@ -63,6 +63,7 @@ def open_engine(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from portlayer.runtime.parallel.group import launched_by_torchrun
     from portlayer.runtime.serve import build_app, serve_forever
     from portlayer.runtime.serve.process_engine import ProcessEngine, default_engine_core
     from portlayer.runtime.serve.server import bind
@@ -72,6 +73,8 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     os.environ.setdefault("PORTLAYER_TP_EXIT_ON_FAILURE", "1")  # a dead tensor-parallel rank stops the server
     mode = args.engine_core if args.engine_core != "auto" else default_engine_core(args.artifact, args.device)
+    if launched_by_torchrun() and os.environ.get("RANK") != "0":
+        mode = "thread"  # a torchrun worker rank serves steps, not HTTP: its engine call returns only at the end
     if mode == "process":
         print(f"[portlayer] loading {args.artifact} in the engine process (--engine-core process)", file=sys.stderr,
               flush=True)  # fmt: skip
