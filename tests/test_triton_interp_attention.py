@@ -40,6 +40,11 @@ CASES = [
     pytest.param([(40, 1), (0, 1), (70, 1)], 2, 2, 16, {}, id="decode-only-mha"),
     pytest.param([(3, 12), (50, 1)], 4, 1, 16, {"sliding_window": 8}, id="sliding-window-mqa"),
     pytest.param([(0, 10), (17, 1)], 4, 2, 16, {"softcap": 5.0, "scale": 0.3}, id="softcap"),
+    # long enough that whole key blocks lie before a query block's first position (the unmasked loop),
+    # a head_dim below its power-of-two block (masked head dims), and softcap over unmasked blocks
+    pytest.param([(0, 150), (70, 40), (9, 1)], 4, 2, 16, {}, id="long-prefill-unmasked-blocks"),
+    pytest.param([(0, 90), (40, 30)], 2, 1, 24, {}, id="long-prefill-odd-head-dim"),
+    pytest.param([(64, 80)], 2, 2, 16, {"softcap": 5.0}, id="long-prefill-softcap"),
 ]
 
 

@@ -50,7 +50,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
     spec = make_kernel("triton/attention_prefill.py.j2", "attn_prefill", f"{mode}_{short_dtype(c['dtype'])}", params,
                        const, cfg["num_warps"], cfg["num_stages"], doc="Varlen flash attention (prefill).",
                        paged=paged, causal=c["causal"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
-                       dot_args=dot_args(c["dtype"]))
+                       dot_args=dot_args(c["dtype"]), even_d=c["BLOCK_D"] == c["D"])
     return spec, const, c, cfg
 
 
