@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-results} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$(command -v python || command -v python3)}  # the interpreter of the earlier device scripts
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 if ls .whl/*.whl > /dev/null 2>&1; then  # the serving wheels the H200 host lacks (fastapi, uvicorn, pydantic, ...)
