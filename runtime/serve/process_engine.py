@@ -177,6 +177,9 @@ class ProcessEngine:
                 self.proc.kill()
                 self.proc.wait(10)
         self._out.put(None)
+        for t in self._threads:  # the reader has seen the EOF, the writer its None: then our end can close
+            if t is not threading.current_thread():
+                t.join(5)
         try:
             self._conn.close()
         except OSError:
