@@ -216,3 +216,15 @@ def test_a_dead_engine_process_fails_requests_and_health(srv):
     r2 = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
     assert r2.status_code == 503 and "engine process is not running" in r2.json()["error"]["message"]
     assert httpx.get(s.url + "/v1/models").status_code == 200  # the server itself still answers
+
+
+def test_auto_engine_core_asks_the_backend(art, tmp_path):
+    from portlayer.backends.registry import backend_class
+    from portlayer.runtime.serve.process_engine import default_engine_core
+
+    assert default_engine_core(str(art)) == "thread"  # a CPU artifact: torch ops run in place
+    cuda_async = backend_class("cuda")(None, 0).launches_asynchronously()
+    assert default_engine_core("tiny-qwen3", "cuda:0") == ("process" if cuda_async else "thread")
+    assert default_engine_core("tiny-qwen3", "cpu") == "thread"
+    (tmp_path / "manifest.json").write_text("{not json")  # unreadable: the load will say why
+    assert default_engine_core(str(tmp_path)) == "thread"
