@@ -32,11 +32,12 @@ fi
 CORES=${ENGINE_CORES:-process,thread}
 if [ -z "${ENGINE_CORES:-}" ] && [ "$SECONDS" -gt 230 ]; then CORES=process; echo "(compile took ${SECONDS}s: process mode only)"; fi
 echo "== bench_server --compare, engine cores: $CORES (at ${SECONDS}s)"
-timeout $((470 - SECONDS)) $PY benchmarks/bench_server.py "$ART" --compare --engine-core "$CORES" --time-limit 70 \
+left=$((470 - SECONDS)); [ "$left" -gt 90 ] || left=90
+timeout $left $PY benchmarks/bench_server.py "$ART" --compare --engine-core "$CORES" --time-limit 70 \
   --json "$OUT/bench_server.json" "$@" 2> "$OUT/bench_server.err"
 echo "bench rc=$? after ${SECONDS}s"
 grep "\[bench\]\|\[portlayer\]" "$OUT/bench_server.err" | cut -c1-300
 grep -i "error\|traceback" "$OUT/bench_server.err" | head -5
 sleep 1
-left=$(pgrep -f "portlayer.runtime.serve.core_process" | wc -l)
-echo "engine-core processes left after the benchmark: $left (want 0)"
+orphans=$(pgrep -f "portlayer.runtime.serve.core_process" | wc -l)
+echo "engine-core processes left after the benchmark: $orphans (want 0)"
