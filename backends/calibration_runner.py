@@ -154,9 +154,10 @@ def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress,
     from portlayer.codegen.torch_attention import attention_batched
 
     d = sizes.attn_heads[2]
+    workspace: dict[str, torch.Tensor] = {}  # kept across calls, as a program keeps it across steps
 
     def run(ins: list[torch.Tensor], ctx: Any) -> torch.Tensor:
-        st = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache)
+        st = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache, workspace=workspace)
         return attention_batched(*ins, st, layer=0, scale=d**-0.5, causal=True, sliding_window=None)
 
     return {"attention": measure_paged_attention(dev, sizes, progress, torch.float32, run=run,

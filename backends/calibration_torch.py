@@ -140,7 +140,7 @@ def _sequence_times(dev: torch.device, sizes: Sizes, ref: Callable[..., Any], st
 
     heads = (4, 2, 16)
     q_k_v, ctx, _ = paged_case(1, 128, heads, torch.float32, dev)
-    ast = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache)
+    ast = SimpleNamespace(meta=ctx.attn_metadata, kv_caches=ctx.kv_cache, workspace={})
     attn = lambda: attention_batched(*q_k_v, ast, layer=0, scale=0.25, causal=True, sliding_window=None)  # noqa: E731
     order = ["rms_norm", "linear", "linear", "linear", "rms_norm", "rms_norm", "rope", "rope", None, "linear", "add",
              "rms_norm", "linear", "linear", "silu", "mul", "linear", "add"]  # fmt: skip

@@ -14,7 +14,8 @@ from portlayer.capabilities.descriptor import Descriptor
 from portlayer.codegen.expr import POINTWISE_OPS
 from portlayer.codegen.kernels.attention import build_attention
 from portlayer.codegen.kernels.embedding import build_embedding
-from portlayer.codegen.kernels.gemm import accepts_gemm, build_gemm, gemm_scratch
+from portlayer.codegen.kernels.gemm import accepts_gemm, build_gemm
+from portlayer.codegen.kernels.gemm_group import accepts_gemm_group, build_gemm_group, gemm_group_scratch
 from portlayer.codegen.kernels.pointwise import accepts_pointwise, build_pointwise
 from portlayer.codegen.kernels.reduction import accepts_reduction, build_reduction
 from portlayer.codegen.kernels.rope import accepts_rope, build_rope
@@ -76,7 +77,7 @@ def _rope_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("rope", name="triton.rope", family="triton", priority=50, supported=TRITON, supports=_rope_ok,
-               accepts=accepts_rope, fusible=True, inplace=True)(build_rope)
+               accepts=accepts_rope, fusible=True, inplace=True, kv_write=True)(build_rope)
 
 
 def _embedding_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -101,7 +102,8 @@ def _gemm_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 implementation("linear", name="triton.gemm", family="triton", priority=30,
                supported=all_of(TRITON, any_feature("tensor_cores", "matrix_cores", "xmx"), _dtype_has_throughput),
-               supports=_gemm_ok, accepts=accepts_gemm, scratch=gemm_scratch, fusible=True, epilogue=True)(build_gemm)
+               supports=_gemm_ok, accepts=accepts_gemm_group, scratch=gemm_group_scratch, fusible=True,
+               epilogue=True)(build_gemm_group)
 
 
 def _wq_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
@@ -132,4 +134,4 @@ def _attn_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("attention", name="triton.paged_attention", family="triton", priority=50, supported=TRITON,
-               supports=_attn_ok)(build_attention)
+               supports=_attn_ok, kv_from_rope=True)(build_attention)

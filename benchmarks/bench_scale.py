@@ -7,6 +7,9 @@ targets this machine can run, also validates it against the artifact's reference
 
     python benchmarks/bench_scale.py --params 1.1B --targets cpu-x86_64,nvidia-h200
     python benchmarks/bench_scale.py --params 8B --targets nvidia-h200 --json docs/gpu-results/scale_8b_h200.json
+    # in two processes (32B: each within a 9-minute call): compile and keep, then serve what was kept
+    python benchmarks/bench_scale.py --params 32B --no-load --keep --drop-checkpoint --work W --json J
+    python benchmarks/bench_scale.py --params 32B --serve-only --work W --json J --decode --validate
 
 Peak RSS is the child's VmHWM (resident pages at their highest, file-backed mmap pages
 included); ``rss_over_weights`` is peak RSS / checkpoint bytes, the figure issue 20 bounds
@@ -202,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", action="store_true",
                    help="also time decode at batch 1 (benchmarks/bench_serving.py on the artifact; needs the device)")
     p.add_argument("--keep", action="store_true", help="keep the artifacts (under --work)")
+    p.add_argument("--serve-only", action="store_true",
+                   help="no checkpoint and no compile: load (validate, decode) the artifacts an earlier --keep run "
+                        "left under --work, adding to its --json")
     p.add_argument("--drop-checkpoint", action="store_true",
                    help="delete the checkpoint after the last compile (frees /dev/shm before loading)")
     p.add_argument("--bound-extra-gib", type=float, default=1.0,
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     bootstrap()
     import shutil
 
+    if args.serve_only:
+        return serve_only(args)
     doc: dict = {"benchmark": "bench_scale", "label": args.label, "params": args.params, "shape": llama_config(args.params),
                  "host_cpus": os.cpu_count(), "rows": [], "commit": _commit()}
 
@@ -255,18 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(model, ignore_errors=True)
                 doc["checkpoint_dropped"] = True
             if "error" not in c:
-                runnable = target.startswith("cpu") or _has_gpu()
-                if not args.no_load:
-                    what = "load" if runnable else "load-only"
-                    lo = run_child(what, model, target, art, env, args.validate and runnable, args.timeout)
-                    row["load"] = lo
-                    if "error" not in lo:
-                        row["load_s"] = lo.get("load_s", lo["seconds"])
-                        row["peak_rss_load_gib"] = gib(lo["peak_rss"])
-                    save(f"load {target}")
-                if args.decode and runnable:
-                    row["decode_b1"] = decode_b1(art, env, wbytes, args.timeout)
-                    save(f"decode {target}")
+                serve(row, args, model, target, art, env, wbytes, save)
             print(json.dumps({k: v for k, v in row.items() if k not in ("compile", "load")}), file=sys.stderr)
             if not args.keep:
                 shutil.rmtree(art, ignore_errors=True)
@@ -277,6 +274,69 @@ def main(argv: list[str] | None = None) -> int:
     save("done")
     print(json.dumps(doc, indent=1))
     return 0 if all("error" not in r["compile"] for r in rows) else 1
+
+
+def serve(row: dict, args: argparse.Namespace, model: Path, target: str, art: Path, env: dict[str, str], wbytes: int,
+          save: Any) -> None:
+    """Load (validate) and decode-time ``art`` into ``row``, as the options ask."""
+    runnable = target.startswith("cpu") or _has_gpu()
+    if not args.no_load:
+        what = "load" if runnable else "load-only"
+        lo = run_child(what, model, target, art, env, args.validate and runnable, args.timeout)
+        row["load"] = lo
+        if "error" not in lo:
+            row["load_s"] = lo.get("load_s", lo["seconds"])
+            row["peak_rss_load_gib"] = gib(lo["peak_rss"])
+        save(f"load {target}")
+    if args.decode and runnable:
+        row["decode_b1"] = decode_b1(art, env, wbytes, args.timeout)
+        save(f"decode {target}")
+
+
+def serve_only(args: argparse.Namespace) -> int:
+    """The second half of a two-call run: the kept artifacts under --work, loaded, validated, decode-timed."""
+    import shutil
+
+    if not args.work:
+        print("--serve-only needs --work: the directory where the compile run kept its artifacts", file=sys.stderr)
+        return 2
+    work = Path(args.work)
+    jpath = Path(args.json) if args.json else None
+    doc = json.loads(jpath.read_text()) if jpath is not None and jpath.is_file() else {
+        "benchmark": "bench_scale", "label": args.label, "params": args.params, "rows": []}
+    doc["serve_commit"] = _commit()
+
+    def save(stage: str) -> None:
+        doc["last_stage"] = stage
+        if jpath is not None:
+            jpath.write_text(json.dumps(doc, indent=1) + "\n")
+
+    failed = False
+    for target in [t for t in args.targets.split(",") if t]:
+        art = work / f"art-{target}"
+        row = next((r for r in doc["rows"] if r.get("target") == target), None)
+        if row is None:
+            row = {"target": target}
+            doc["rows"].append(row)
+        if not (art / "manifest.json").is_file():
+            row["serve_error"] = (f"no artifact at {art}: the compile run's files are not on this machine (a fresh "
+                                  "machine, or the compile did not finish); run the compile stage first")
+            print(row["serve_error"], file=sys.stderr)
+            save(f"serve {target}: no artifact")
+            failed = True
+            continue
+        files = json.loads((art / "manifest.json").read_text())["files"]
+        wbytes = int(doc.get("weight_bytes") or sum(int(f.get("bytes", 0)) for f in files.values() if f.get("kind") == "weights"))
+        env = dict(os.environ, PORTLAYER_CACHE=str(work / f"cache-{target}"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        serve(row, args, Path(doc.get("checkpoint") or "-"), target, art, env, wbytes, save)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("compile", "load")}), file=sys.stderr)
+        if not args.keep:
+            shutil.rmtree(art, ignore_errors=True)
+            shutil.rmtree(work / f"cache-{target}", ignore_errors=True)
+    save("done")
+    print(json.dumps(doc, indent=1))
+    return 1 if failed or any("error" in r.get("load", {}) for r in doc["rows"]) else 0
 
 
 def decode_b1(art: Path, env: dict[str, str], wbytes: int, timeout: float) -> dict:

@@ -342,12 +342,15 @@ class _Negotiation:
         cfg = {"num_warps": warps(128), "BLOCK_H": max(16, _pow2_ceil(group)), "BLOCK_N": bn, "BLOCK_D": bd, "num_stages": stages}
         self.add("launch.attention_decode", cfg,
                  f"one KV block ({bn} tokens) per step, GQA group {group} padded to >=16 rows for tl.dot; K+V tile {stage} B -> {stages} stages; 128 threads / {scale}")  # fmt: skip
-        bm = 128 if smem // int((128 * bd + 2 * 64 * bd) * item) >= 2 else 64
+        measured = self.d.tuning.get("attention_prefill_block_m")
+        bm = int(measured) if measured else 128 if smem // int((128 * bd + 2 * 64 * bd) * item) >= 2 else 64
         stage = int((bm * bd + 2 * 64 * bd) * item)
         stages = _clamp(smem // stage, 1, 3)
-        cfg = {"num_warps": warps(256 if bm == 128 else 128), "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_D": bd, "num_stages": stages}
+        threads = max(32, bm * 2)  # 32 query rows per warp (a 16-row MMA tile per half-warp group)
+        cfg = {"num_warps": warps(threads), "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_D": bd, "num_stages": stages}
+        tile = (f"Q tile {bm}x{bd} (tuning.attention_prefill_block_m, measured)" if measured else f"Q tile {bm}x{bd}")
         self.add("launch.attention_prefill", cfg,
-                 f"Q tile {bm}x{bd} + K/V tiles 64x{bd} = {stage} B per stage in {smem} B -> {stages} stages; {scale}")  # fmt: skip
+                 f"{tile} + K/V tiles 64x{bd} = {stage} B per stage in {smem} B -> {stages} stages; {threads} threads / {scale}")  # fmt: skip
 
     def max_fused_inputs(self) -> None:
         d = self.d

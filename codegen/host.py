@@ -109,7 +109,11 @@ def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: Low
         reads = [i for n in members for i in n.inputs if i is not None and i not in params and i not in made]
         anchor = ctx.nodes.get(g.anchor)
         layer = module_layer(anchor.meta.get("source")) if anchor is not None else None
-        kv = sorted({int(n.attrs.get("layer", 0)) for n in g.nodes if n.op in ("attention", "mla_attention")})
+        kv_write = rec.get("kv_write")  # a rope kernel that stores an attention's K/V (passes/fuse_kv.py)
+        if kv_write:
+            reads.append(kv_write["v"])
+        kv = sorted({int(n.attrs.get("layer", 0)) for n in g.nodes if n.op in ("attention", "mla_attention")}
+                    | ({int(kv_write["layer"])} if kv_write else set()))
         ops = ", ".join(n.op for n in g.nodes) or ", ".join(n.op for n in members)
         blocks.append(Block(f"{g.anchor}: {g.impl} [{ops}]", weights_prefixed(lines, params), made,
                             list(dict.fromkeys(reads)),

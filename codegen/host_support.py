@@ -7,6 +7,7 @@ program live here, once, under test.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,9 @@ class StepState:
     meta: AttentionMetadata | None
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None
     device: torch.device
+    # Buffers kept across steps by the program for this thread (torch-family ops that would otherwise
+    # allocate a large fresh tensor per layer and step: codegen/torch_attention.py's KV gathers).
+    workspace: dict[str, torch.Tensor] | None = None
 
     @staticmethod
     def build(meta: AttentionMetadata | None, num_tokens: int, device: torch.device,
@@ -166,6 +170,7 @@ class HostProgram:
         self._buffers = {v: (info["dtype"], tuple(info["shape"]), int(info["offset"]))
                          for v, info in layout.get("buffers", {}).items()}
         self.arena = torch.empty(int(layout.get("arena_bytes") or 0) + 256, dtype=torch.uint8, device=self.device)
+        self._workspaces = threading.local()  # per thread: embedding batches run side by side on one program
         self._layers = {m["method"]: m for m in layout.get("layers", [])}
         self.P = {name: {i: SimpleNamespace(**{loc: getattr(self.W, t.format(i + d)) for loc, (t, d) in m["params"].items()})
                          for i in range(m["first"], m["last"] + 1)} for name, m in self._layers.items()}
@@ -230,6 +235,7 @@ class HostProgram:
         if self._graphable(T, attn_metadata, kv_caches):
             return self._replay(T, feeds, attn_metadata, kv_caches)
         st = StepState.build(attn_metadata, T, self.device, kv_caches)
+        st.workspace = self._workspaces.__dict__
         dev_feeds = {k: feeds[k].to(self.device, non_blocking=True) for k in self.INPUTS}
         outs = self.forward(T, st.num_seqs, dev_feeds, st, kv_caches)
         return [o.clone() for o in outs]

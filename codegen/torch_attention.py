@@ -86,6 +86,25 @@ def _build_layout(st: Any, dev: torch.device, *, causal: bool, sliding_window: i
                       kv_rows.reshape(-1).to(dev), None if bool(mask.all()) else mask[:, None].to(dev), False)
 
 
+def _gather(src: torch.Tensor, rows: torch.Tensor, st: Any, name: str) -> torch.Tensor:
+    """``src.index_select(0, rows)`` into a buffer the program keeps across layers and steps (grown on
+    demand): a fresh tensor of this size (tens of MB at batch 64) is fresh pages from the OS each time,
+    and on the CPU the page faults cost ~3x the copy itself (0.6B shape, 64 x 129 rows: 29 vs 8.6 ms)."""
+    ws = getattr(st, "workspace", None)
+    if ws is None:
+        return src.index_select(0, rows)
+    width = src[0].numel()
+    need = rows.numel() * width
+    key = f"torch_attention_{name}_{src.dtype}_{src.device}"
+    buf = ws.get(key)
+    if buf is None or buf.numel() < need:
+        ws[key] = buf = torch.empty(max(need, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=src.dtype,
+                                    device=src.device)
+    out = buf[:need].view(rows.numel(), width)
+    torch.index_select(src.reshape(src.shape[0], width), 0, rows, out=out)
+    return out.view(rows.numel(), *src.shape[1:])
+
+
 def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any, *, layer: int,
                       scale: float | None, causal: bool, sliding_window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of one step -> [T, Hq, Dv] (q's dtype)."""
@@ -104,8 +123,8 @@ def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: Any
             k_src, v_src = (c.view(-1, *c.shape[2:]) for c in caches[layer])
         else:
             k_src, v_src = k, v
-        kp = k_src.index_select(0, lay.kv_rows).view(b, s, *k_src.shape[1:])
-        vp = v_src.index_select(0, lay.kv_rows).view(b, s, *v_src.shape[1:])
+        kp = _gather(k_src, lay.kv_rows, st, "k").view(b, s, *k_src.shape[1:])
+        vp = _gather(v_src, lay.kv_rows, st, "v").view(b, s, *v_src.shape[1:])
     qp, kp, vp = (t.float().transpose(1, 2) for t in (qp, kp, vp))  # [B, H, L, D]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=lay.mask, is_causal=lay.is_causal, scale=scale,

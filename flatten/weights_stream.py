@@ -152,6 +152,11 @@ def _bytes_of(name: str, v: torch.Tensor | Lazy, size: int) -> memoryview:
 
 #: bytes of tensors made ahead of the writer (at least one tensor is always in flight)
 IN_FLIGHT_BYTES = 512 << 20
+#: the chunk size of the per-chunk sha256 computed while writing (runtime/file_hash.py's CHUNK_BYTES)
+HASH_CHUNK_BYTES = 64 << 20
+#: files written by write_tensors: (st_dev, st_ino, st_size, st_mtime_ns) -> their sha256s (written_hashes)
+_WRITTEN: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+_WRITTEN_MAX = 256
 
 
 def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metadata: Mapping[str, str] | None = None,
@@ -159,41 +164,136 @@ def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metada
                   in_flight_bytes: int = IN_FLIGHT_BYTES) -> int:
     """Write a safetensors file from ``(name, tensor or Lazy)`` entries, one tensor at a time.
 
-    Only the entries' dtypes and shapes are needed for the header; each tensor is then made
-    (Lazy entries in a pool of ``threads`` worker threads, ahead of the writer by at most
-    ``in_flight_bytes`` and 2 tensors per thread), written and dropped, so the working set is
-    bounded whatever the model's size. Returns the file's size in bytes. The file is read back
-    by ``safetensors.safe_open`` like any other.
+    Only the entries' dtypes and shapes are needed for the header, so every tensor's offset is
+    known up front: a pool of ``threads`` workers makes each tensor (Lazy entries are computed
+    there) and writes it at its offset (``os.pwrite``: several tensors at once), ahead of the
+    oldest unfinished one by at most ``in_flight_bytes`` and 2 tensors per thread, so the working
+    set is bounded whatever the model's size. The file's sha256 and per-chunk sha256s are computed
+    from those same bytes as they are written (two threads, in file order), so the artifact's
+    manifest never reads the file again (``written_hashes``). Returns the file's size in bytes.
+    The file is read back by ``safetensors.safe_open`` like any other.
     """
+    from collections import deque
+
     items = list(entries)
     names = [n for n, _ in items]
     if len(set(names)) != len(names):
         raise ValueError(f"write_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:5]}")
     head, sizes = _header(items, metadata)
+    offsets, at = [], len(head)
+    for n in sizes:
+        offsets.append(at)
+        at += n
     workers = max(1, threads if threads is not None else min(8, os.cpu_count() or 1))
-    total = len(head)
-    with open(path, "wb") as f, ThreadPoolExecutor(workers) as pool:
-        f.write(head)
-        pending: list[tuple[str, int, Any]] = []  # (name, bytes, future), in file order
-        held = 0
-        for k, (name, v) in enumerate(items):
-            while pending and (len(pending) >= 2 * workers or held + sizes[k] > in_flight_bytes):
-                done_name, n, fut = pending.pop(0)
-                total += _flush(f, fut, on_tensor, done_name)
-                held -= n
-            pending.append((name, sizes[k], pool.submit(_bytes_of, name, v, sizes[k])))
-            held += sizes[k]
-        for done_name, _n, fut in pending:
-            total += _flush(f, fut, on_tensor, done_name)
-    return total
+    hasher = _StreamHashes(HASH_CHUNK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            _pwrite(fd, memoryview(head), 0)
+            hashing = deque([(0, hasher.feed(memoryview(head)))])  # (bytes, futures) in file order
+            pending: deque[tuple[str, int, Any]] = deque()  # (name, bytes, future), in file order
+            held = 0
+
+            def hand_over() -> None:  # the oldest written tensor goes to the hashers, in file order
+                name, n, fut = pending.popleft()
+                hashing.append((n, hasher.feed(fut.result())))
+                if on_tensor is not None:
+                    on_tensor(name)
+
+            def retire() -> int:
+                n, futs = hashing.popleft()
+                for f in futs:
+                    f.result()
+                return n
+
+            for k, (name, v) in enumerate(items):
+                while len(pending) >= 2 * workers:
+                    hand_over()
+                while len(hashing) > 2 or (held + sizes[k] > in_flight_bytes and (pending or hashing)):
+                    if hashing:
+                        held -= retire()
+                    else:
+                        hand_over()
+                pending.append((name, sizes[k], pool.submit(_write_one, fd, name, v, sizes[k], offsets[k])))
+                held += sizes[k]
+            while pending:
+                hand_over()
+            while hashing:
+                retire()
+    finally:
+        os.close(fd)
+        hasher.close()
+    st = os.stat(path)
+    if st.st_size == at:
+        if len(_WRITTEN) >= _WRITTEN_MAX:
+            _WRITTEN.pop(next(iter(_WRITTEN)))
+        _WRITTEN[_stat_key(st)] = hasher.result()
+    return at
 
 
-def _flush(f: Any, fut: Any, on_tensor: Callable[[str], None] | None, name: str) -> int:
-    data = fut.result()
-    f.write(data)
-    if on_tensor is not None:
-        on_tensor(name)
-    return data.nbytes
+def written_hashes(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """{"sha256", "chunk_bytes", "chunks_sha256"} of a file this process wrote with write_tensors,
+    if it is still that file (same device, inode, size and modification time); else None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    got = _WRITTEN.get(_stat_key(st))
+    return None if got is None else {**got, "chunks_sha256": list(got["chunks_sha256"])}
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _write_one(fd: int, name: str, v: torch.Tensor | Lazy, size: int, offset: int) -> memoryview:
+    data = _bytes_of(name, v, size)
+    _pwrite(fd, data, offset)
+    return data
+
+
+class _StreamHashes:
+    """sha256 of a byte stream and of each ``chunk_bytes`` piece of it, fed in order: one thread for
+    each (hashlib releases the GIL), so the two serial passes run side by side."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        import hashlib
+
+        self._sha = hashlib.sha256
+        self.chunk_bytes = chunk_bytes
+        self.whole = hashlib.sha256()
+        self.part = hashlib.sha256()
+        self.fill = 0
+        self.chunks: list[str] = []
+        self._pools = (ThreadPoolExecutor(1), ThreadPoolExecutor(1))  # each runs its jobs in order
+
+    def feed(self, data: memoryview) -> tuple[Any, Any]:
+        return self._pools[0].submit(self.whole.update, data), self._pools[1].submit(self._chunks, data)
+
+    def _chunks(self, data: memoryview) -> None:
+        i = 0
+        while i < len(data):
+            take = min(len(data) - i, self.chunk_bytes - self.fill)
+            self.part.update(data[i:i + take])
+            self.fill += take
+            i += take
+            if self.fill == self.chunk_bytes:
+                self.chunks.append(self.part.hexdigest())
+                self.part, self.fill = self._sha(), 0
+
+    def close(self) -> None:
+        for p in self._pools:
+            p.shutdown(wait=True)
+
+    def result(self) -> dict[str, Any]:
+        chunks = self.chunks + ([self.part.hexdigest()] if self.fill else [])
+        return {"sha256": self.whole.hexdigest(), "chunk_bytes": self.chunk_bytes, "chunks_sha256": chunks}
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:

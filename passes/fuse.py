@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from portlayer.backends.impls import find
+from portlayer.codegen.gemm_rule import gemv_max_weight_bytes
 from portlayer.codegen.lowering import resolve_group
 from portlayer.flatten.ir import Graph, Node
 from portlayer.passes.context import PassContext
+from portlayer.passes.fuse_kv import assign_kv_writes
 from portlayer.passes.fuse_rules import FuseState, anchor_of, can_fuse, is_view, kind
 
 BINDINGS = {"num_tokens": 1, "num_seqs": 1}
@@ -135,10 +137,19 @@ def _scratch(g: Graph, k: dict[str, Any], st: FuseState, users: dict[str, list[N
     return list(impl.scratch(resolve_group(g, k, st.nodes, users)))
 
 
+def _gemv_rows(ctx: PassContext) -> int:
+    """The few-rows GEMM's row limit where this target generates it (as backends/generate.py reads it)."""
+    from portlayer.codegen.gemm_rule import gemv_max_tokens
+
+    if getattr(ctx.descriptor, "codegen", None) != "triton" or "gemv" not in (ctx.plan.launch_configs or {}):
+        return 0
+    return gemv_max_tokens(ctx.descriptor)
+
+
 def fuse(graph: Graph, ctx: PassContext) -> Graph:
     g = graph.copy()
     limit = int(ctx.options.get("max_fused_inputs") or ctx.plan.max_fused_inputs)
-    st = FuseState(g, limit)
+    st = FuseState(g, limit, gemv_rows=_gemv_rows(ctx), gemv_weight_bytes=gemv_max_weight_bytes(ctx.descriptor))
     _initial(st)
     users = g.users()
     refusals: dict[str, str] = {}
@@ -168,8 +179,12 @@ def fuse(graph: Graph, ctx: PassContext) -> Graph:
                 if v.name in g.outputs or any(u.name not in names for u in users.get(v.name, []))]
         k: dict[str, Any] = {"name": name, "family": family, "impl": impl, "anchor": anchor,
                              "nodes": [n.name for n in nodes], "inputs": st.external_inputs(names), "outputs": outs}
-        if family == "gemm":
-            k["epilogue"] = [n.name for n in nodes if not is_view(n) and kind(n) != "gemm"]
+        if family == "gemm":  # a norm prologue feeds the linears; the epilogue follows them
+            comp = [n for n in nodes if not is_view(n)]
+            first = next(i for i, n in enumerate(comp) if kind(n) == "gemm")
+            k["epilogue"] = [n.name for n in comp[first:] if kind(n) != "gemm"]
+            if first:
+                k["prologue"] = [n.name for n in comp[:first]]
         scratch = _scratch(g, k, st, users)
         if scratch:
             k["scratch"] = scratch
@@ -179,7 +194,10 @@ def fuse(graph: Graph, ctx: PassContext) -> Graph:
             produced_by[n.name] = gi
         new_nodes += nodes
     g.nodes = new_nodes
+    kv_refused = assign_kv_writes(g, kernels)
     g.meta["kernels"] = kernels
     g.meta["fusion"] = {"nodes": len(g.nodes), "kernels": len(kernels), "max_fused_inputs": limit,
                         "refused": dict(sorted(refusals.items())[:200])}
+    if kv_refused:
+        g.meta["fusion"]["kv_write_refused"] = dict(sorted(kv_refused.items())[:50])
     return g

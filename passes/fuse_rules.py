@@ -35,6 +35,10 @@ class FuseState:
 
     graph: Graph
     max_inputs: int
+    #: rows at or below which the descriptor runs the few-rows GEMM (gemm_rule): a GEMM lowering's
+    #: ``accepts`` takes a norm prologue only where that kernel exists
+    gemv_rows: int = 0
+    gemv_weight_bytes: int = 0  # ... and for weights up to this size (0: any; tuning.gemv_max_weight_mib)
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
     prod: dict[str, Node] = field(init=False)

@@ -104,8 +104,49 @@ def _model_source(model: Any) -> ModelSource:
             return ModelSource(str(model), path, model_dir_hash(path), graph)
         if not path.is_dir():
             raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
-        return ModelSource(str(model), path, model_dir_hash(path))
+        return ModelSource(str(model), path, _hash_while_importing(path))
     raise CompileError(f"compile() takes a model name, an HF directory, an nn.Module or a Graph, not {type(model).__name__}")
+
+
+#: unmemoised model bytes from which hashing them is worth overlapping with the capture's imports
+PREWARM_MIN_BYTES = 256 << 20
+
+
+def _hash_while_importing(path: Path) -> str:
+    """model_dir_hash(path); when it has big files to read (a first compile: nothing memoised, so no
+    cached artifact can match either), the capture's imports (transformers, the model's modeling
+    module: seconds) run in a helper thread meanwhile, and are joined before anything else runs."""
+    import threading
+
+    from portlayer.runtime.cache import model_dir_hash, needs_hashing
+
+    if needs_hashing(path) < PREWARM_MIN_BYTES:
+        return model_dir_hash(path)
+    t = threading.Thread(target=_prewarm_imports, args=(path,), name="portlayer-prewarm", daemon=True)
+    t.start()
+    try:
+        return model_dir_hash(path)
+    finally:
+        t.join()
+
+
+def _prewarm_imports(path: Path) -> None:
+    import importlib
+    import json
+
+    names = ["portlayer.flatten.capture", "transformers", "portlayer.flatten.from_export", "portlayer.flatten.patterns",
+             "portlayer.passes.pipeline"]
+    try:
+        mt = json.loads((path / "config.json").read_text()).get("model_type")
+        if isinstance(mt, str) and mt.isidentifier():
+            names.append(f"transformers.models.{mt}.modeling_{mt}")
+    except (OSError, ValueError, AttributeError):
+        pass
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optimisation only: the capture imports (and reports) it again
+            pass
 
 
 def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool = False) -> dict[str, Any]:

@@ -321,17 +321,15 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
         with stages.stage("shards") as say:
             say(f"{world_size(result.plan)} tensor-parallel ranks")
             rank_weights = rank_graphs(graph, result)
-    with stages.stage("reference") as say:
-        say("validation set on the reference interpreter")
-        seed = 0
-        # A lossy plan: the reference is the quantized graph's own semantics, so `validate` checks the
-        # generated code tightly; how far quantization moved the answers is the quality gate's figure.
-        try:
-            mode = result.plan.value("weight_quantization")
-        except KeyError:
-            mode = None
-        lossy = mode not in (None, "none")
-        cases = V.compute_reference(result.graph if lossy else graph, block_size, seed)
+    # A lossy plan: the reference is the quantized graph's own semantics, so `validate` checks the
+    # generated code tightly; how far quantization moved the answers is the quality gate's figure.
+    try:
+        mode = result.plan.value("weight_quantization")
+    except KeyError:
+        mode = None
+    lossy = mode not in (None, "none")
+    seed = 0
+    reference = _start_reference(result.graph if lossy else graph, block_size, seed, stages)
     with A.ArtifactWriter(final) as w:
         with stages.stage("codegen") as say:
             say(f"backend for {desc.device_type}")
@@ -344,6 +342,7 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                 write_shards(w, rank_weights)
             w.write_json(A.PLAN, result.plan.to_json(), "plan")
             w.write_json(A.CAPABILITY, desc.raw, "capability")
+            cases = reference.result()  # computed beside codegen and the weights' write
             doc, tensors = V.to_files(cases, graph, block_size, seed)
             doc["reference"] = "quantized graph" if lossy else "captured graph"
             w.write_json(A.VALIDATION, doc, "validation")
@@ -371,6 +370,60 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
             if gate_doc is not None:
                 manifest["quality_gate"] = gate_doc
             return w.commit(manifest)
+
+
+#: "1" computes the validation set before codegen, in the calling thread (the serial order)
+SERIAL_REFERENCE_ENV = "PORTLAYER_SERIAL_REFERENCE"
+
+
+class _Reference:
+    """The validation set on the reference interpreter, computed in a helper thread while codegen and
+    the artifact's write run (torch's ops release the GIL); ``result()`` waits for it. The cases and
+    their float32 outputs are the same as the serial computation's: same graph, same ops, same seed."""
+
+    def __init__(self, graph: Graph, block_size: int, seed: int, stages: Stages) -> None:
+        import threading
+
+        import torch
+
+        from portlayer.runtime import validation as V
+
+        grad = torch.is_grad_enabled()  # thread-local in torch: the helper runs as its caller would
+        self._cases: Any = None
+        self._error: BaseException | None = None
+        self._stages = stages
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with torch.set_grad_enabled(grad):
+                    self._cases = V.compute_reference(graph, block_size, seed)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the compiling thread by result()
+                self._error = e
+            stages.timings["reference"] = round(time.perf_counter() - t0, 3)
+
+        if os.environ.get(SERIAL_REFERENCE_ENV) == "1":
+            with stages.stage("reference") as say:
+                say("validation set on the reference interpreter")
+                run()
+            self._thread = None
+        else:
+            self._thread = threading.Thread(target=run, name="portlayer-reference", daemon=True)
+            self._thread.start()
+
+    def result(self) -> Any:
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self._stages.timings["reference_wait"] = round(time.perf_counter() - t0, 3)
+        if self._error is not None:
+            raise self._error
+        return self._cases
+
+
+def _start_reference(graph: Graph, block_size: int, seed: int, stages: Stages) -> _Reference:
+    return _Reference(graph, block_size, seed, stages)
 
 
 def capture_summary(graph: Graph, options: dict[str, Any]) -> dict[str, Any]:

@@ -51,41 +51,77 @@ def _memo_path() -> Path:
     return cache_root() / "file-hashes.json"
 
 
-def _file_sha(path: Path, memo: dict[str, Any]) -> str:
-    from portlayer.runtime.artifact import sha256_file
-
-    st = path.stat()
-    key = str(path.resolve())
-    hit = memo.get(key)
-    if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
-        return hit[2]
-    digest = sha256_file(path)
-    memo[key] = [st.st_size, st.st_mtime_ns, digest]
-    return digest
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What a memoised digest is valid for: size, mtime, inode and ctime (ctime cannot be set back
+    by a user, so a file rewritten and given its old mtime again is hashed again)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
-def model_dir_hash(directory: Path) -> str:
-    """sha256 over the model files of an HF directory (memoised by size and mtime: big weights)."""
-    memo_file = _memo_path()
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        memo = {}
+def model_files(directory: Path) -> list[Path]:
+    """The files of an HF directory that go into its hash (the weights actually loaded, config, tokenizer)."""
     files = sorted(
         p for p in directory.rglob("*")
         if p.is_file() and p.suffix in MODEL_SUFFIXES and not any(s.startswith(".") for s in p.relative_to(directory).parts)
     )  # fmt: skip
     if any(p.suffix == ".safetensors" for p in files):
         files = [p for p in files if p.suffix != ".bin"]  # the weights actually loaded
-    entries = [(p.relative_to(directory).as_posix(), _file_sha(p, memo)) for p in files]
+    return files
+
+
+def _read_memo() -> dict[str, Any]:
     try:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_file)
-    except OSError:
-        pass  # the memo is an optimisation only
+        memo = json.loads(_memo_path().read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _memo_hit(memo: dict[str, Any], path: Path, st: os.stat_result) -> str | None:
+    hit = memo.get(str(path.resolve()))
+    if isinstance(hit, list) and len(hit) == 5 and hit[:4] == _stat_key(st) and isinstance(hit[4], str):
+        return hit[4]
+    return None
+
+
+def needs_hashing(directory: Path) -> int:
+    """Bytes of the model files whose digest is not memoised (what model_dir_hash will read)."""
+    memo = _read_memo()
+    return sum(st.st_size for p in model_files(directory) if _memo_hit(memo, p, st := p.stat()) is None)
+
+
+def model_dir_hash(directory: Path) -> str:
+    """sha256 over the model files of an HF directory.
+
+    Each file's digest is runtime/file_hash.content_digests (big files by parallel chunk hashes),
+    memoised by size, mtime, inode and ctime: a second compile of unchanged weights reads nothing."""
+    from portlayer.runtime.file_hash import content_digests
+
+    memo = _read_memo()
+    files = model_files(directory)
+    stats = [p.stat() for p in files]
+    digests = [_memo_hit(memo, p, st) for p, st in zip(files, stats)]
+    todo = [i for i, d in enumerate(digests) if d is None]
+    for i, d in zip(todo, content_digests([files[i] for i in todo])):
+        after = files[i].stat()
+        if _stat_key(after) != _stat_key(stats[i]):
+            raise ModelChangedError(f"{files[i]}: changed while it was being hashed; compile again once it is complete")
+        digests[i] = d
+        memo[str(files[i].resolve())] = [*_stat_key(stats[i]), d]
+    entries = [(p.relative_to(directory).as_posix(), d) for p, d in zip(files, digests)]
+    if todo:
+        try:
+            memo_file = _memo_path()
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_file)
+        except OSError:
+            pass  # the memo is an optimisation only
     return _sha(entries)
+
+
+class ModelChangedError(PortlayerError):
+    """A model file changed while its hash was computed (still being written or copied)."""
 
 
 def tensors_hash(tensors: Mapping[str, Any], extra: Any = None) -> str:

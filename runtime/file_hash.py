@@ -46,8 +46,16 @@ def _whole(path: Path) -> str:
 
 
 def hashes(path: Path) -> dict[str, Any]:
-    """{"sha256": whole file, and for big files "chunk_bytes" + "chunks_sha256"}, in parallel threads."""
+    """{"sha256": whole file, and for big files "chunk_bytes" + "chunks_sha256"}, in parallel threads.
+
+    A file this process wrote with ``write_tensors`` (the artifact's weights) was hashed as it was
+    written: those digests are used while the file is unchanged (inode, size, mtime), with no second read."""
+    from portlayer.flatten.weights_stream import written_hashes
+
     size = path.stat().st_size
+    known = written_hashes(path)
+    if known is not None and known["chunk_bytes"] == CHUNK_BYTES:
+        return {"sha256": known["sha256"]} if size < CHUNKED_MIN_BYTES else known
     if size < CHUNKED_MIN_BYTES:
         return {"sha256": _whole(path)}
     starts = range(0, size, CHUNK_BYTES)
@@ -55,6 +63,29 @@ def hashes(path: Path) -> dict[str, Any]:
         whole = pool.submit(_whole, path)  # one serial pass beside the parallel chunks
         chunks = list(pool.map(lambda s: _hash_range(path, s, min(CHUNK_BYTES, size - s)), starts))
         return {"sha256": whole.result(), "chunk_bytes": CHUNK_BYTES, "chunks_sha256": chunks}
+
+
+def content_digests(paths: list[Path]) -> list[str]:
+    """A content digest per file, all files' chunks hashed by one pool of threads: the sha256 of a file
+    under CHUNKED_MIN_BYTES, else "chunks:" + the sha256 of its CHUNK_BYTES chunks' sha256s (any changed
+    byte changes it, as it changes the file's own sha256; computed in parallel instead of one serial pass)."""
+    sizes = [p.stat().st_size for p in paths]
+    jobs = [(i, s, min(CHUNK_BYTES, n - s)) for i, n in enumerate(sizes) if n >= CHUNKED_MIN_BYTES
+            for s in range(0, n, CHUNK_BYTES)]
+    with ThreadPoolExecutor(_threads()) as pool:
+        small = {i: pool.submit(_whole, p) for i, (p, n) in enumerate(zip(paths, sizes)) if n < CHUNKED_MIN_BYTES}
+        parts = list(pool.map(lambda j: _hash_range(paths[j[0]], j[1], j[2]), jobs))
+    per: dict[int, list[str]] = {}
+    for (i, _s, _n), h in zip(jobs, parts):
+        per.setdefault(i, []).append(h)
+    out = []
+    for i in range(len(paths)):
+        if i in small:
+            out.append(small[i].result())
+        else:
+            tree = hashlib.sha256(f"{CHUNK_BYTES}:".encode() + "".join(per[i]).encode()).hexdigest()
+            out.append("chunks:" + tree)
+    return out
 
 
 def chunks_match(path: Path, info: Mapping[str, Any]) -> bool | None:

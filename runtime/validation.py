@@ -162,11 +162,26 @@ class _Reference:
 
 
 def compute_reference(graph: Graph, block_size: int, seed: int = 0) -> list[Case]:
+    """The validation set: every case's steps on the float32 reference interpreter, run node by node side
+    by side (runtime/lockstep.py), so each weight is cast to float32 once, not once per step; the
+    outputs are run_case's on ``_Reference``, bit for bit."""
+    from portlayer.flatten.weights_stream import cast_view
+    from portlayer.runtime.lockstep import run_lockstep
+
     cases = build_cases(graph, seed)
-    ref = _Reference(graph)
+    steps, runs = [], []
+    dev = _Reference.device
     for c in cases:
-        for s, outs in zip(c.steps, run_case(ref, graph, c, block_size)):
-            s.outputs = outs
+        limit = max_len(c)
+        caches = new_kv_cache(graph, len(c.steps[0].lens), limit, block_size, _Reference.dtype, dev) if c.paged else None
+        for s in c.steps:
+            md = step_metadata(s.lens, s.context, block_size=block_size if c.paged else None, max_len=limit, device=dev)
+            feeds = {"input_ids": s.input_ids.to(dev), "positions": s.positions.to(dev)}
+            feed_last_rows(feeds, [v.name for v in graph.inputs], md)
+            steps.append(s)
+            runs.append((feeds, md, caches))
+    for s, outs in zip(steps, run_lockstep(graph, runs, cast_view(graph.weights, torch.float32), dev)):
+        s.outputs = [o.float().detach() for o in outs]
     return cases
 
 

@@ -12,6 +12,12 @@
 # the compile maps it (no copy: flatten/checkpoint.py). Before anything is built the script checks the
 # free space of both places and RAM, and if they cannot hold it writes {"status": "does not fit", ...}
 # with the figures and exits 3.
+# Two calls (32B: each within 9 minutes): STAGE=compile builds the checkpoint, compiles and keeps the
+# artifact in $GPU_SCALE_WORK (checkpoint dropped); STAGE=serve loads, validates and decodes b1 from it,
+# then removes it. STAGE=auto (the default) is both in one call for 8B and smaller; for 32B it is serve
+# when a kept artifact is there, else compile. A serve call that lands on a fresh machine (no artifact:
+# /tmp does not survive a new machine) says so in the JSON and exits 4.
+#   PARAMS=32B bash scripts/gpu_scale.sh; PARAMS=32B bash scripts/gpu_scale.sh   # compile, then serve
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-results} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
@@ -23,8 +29,27 @@ JSON="$OUT/scale_${PARAMS}_h200.json"
 if [ "$PARAMS" = 32B ]; then CKPT_ROOT=${BENCH_CACHE:-/dev/shm/portlayer-bench}; DROP=--drop-checkpoint
 else CKPT_ROOT=${BENCH_CACHE:-/tmp/portlayer-bench}; DROP=; fi
 WORK=${GPU_SCALE_WORK:-/tmp/bench-scale-work}
+STAGE=${STAGE:-auto}
+if [ "$STAGE" = auto ]; then
+  if [ "$PARAMS" != 32B ]; then STAGE=all
+  elif [ -f "$WORK/art-$TARGET/manifest.json" ] && [ -f "$WORK/KEPT" ]; then STAGE=serve
+  else STAGE=compile; fi
+fi
+case "$STAGE" in all|compile|serve) ;; *) echo "STAGE=$STAGE: use auto, all, compile or serve"; exit 2;; esac
+echo "== stage: $STAGE"
 mkdir -p "$OUT" "$CKPT_ROOT"
-rm -rf "$WORK"; mkdir -p "$WORK"
+if [ "$STAGE" = serve ]; then
+  if [ ! -f "$WORK/art-$TARGET/manifest.json" ] || [ ! -f "$WORK/KEPT" ]; then
+    echo "NO ARTIFACT: $WORK/art-$TARGET is not here (this call landed on a fresh machine, or the compile stage did" \
+         "not finish); run STAGE=compile first, then STAGE=serve on the same warm machine"
+    printf '{"benchmark": "bench_scale", "params": "%s", "status": "no artifact to serve", "why": "%s missing: a fresh machine, or the compile stage did not finish"}\n' \
+      "$PARAMS" "$WORK/art-$TARGET" > "$OUT/scale_${PARAMS}_serve.json"
+    exit 4
+  fi
+  cp "$WORK/scale.json" "$JSON" 2>/dev/null || true
+else
+  rm -rf "$WORK"; mkdir -p "$WORK"
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 git log -1 --format='commit %H' 2>/dev/null || true
@@ -32,7 +57,8 @@ df -h "$CKPT_ROOT" "$WORK" | sed 1d
 free -g | head -2
 
 # ---- does it fit? (checkpoint bytes from the shapes; the artifact holds the same bf16 bytes) ----------
-python - "$PARAMS" "$CKPT_ROOT" "$WORK" "$JSON" "$DROP" <<'EOF'
+# (serve: the artifact is already on the disk and the checkpoint gone; nothing more is written)
+[ "$STAGE" = serve ] || python - "$PARAMS" "$CKPT_ROOT" "$WORK" "$JSON" "$DROP" <<'EOF'
 import json, math, os, shutil, sys
 sys.path.insert(0, "benchmarks")
 from bench_scale import llama_config, tensor_shapes
@@ -75,19 +101,32 @@ EOF
 fit=$?
 if [ $fit -ne 0 ]; then echo "rc=$fit (see $JSON)"; exit $fit; fi
 
-echo "== $PARAMS: build (cached in $CKPT_ROOT), compile $TARGET, load, decode b1"
-timeout "$LIMIT" python benchmarks/bench_scale.py --params "$PARAMS" --targets "$TARGET" --decode --validate \
-  --cache "$CKPT_ROOT" --work "$WORK" --label h200 --timeout "$LIMIT" --bound-extra-gib 2 $DROP \
-  --json "$JSON" > "$OUT/scale_${PARAMS}.log" 2> "$OUT/scale_${PARAMS}.err"
+LOG="$OUT/scale_${PARAMS}_$STAGE"
+case "$STAGE" in
+  all)     echo "== $PARAMS: build (cached in $CKPT_ROOT), compile $TARGET, load, decode b1"
+           ARGS=(--decode --validate $DROP);;
+  compile) echo "== $PARAMS: build (cached in $CKPT_ROOT), compile $TARGET; the artifact is kept in $WORK for STAGE=serve"
+           ARGS=(--no-load --keep $DROP);;
+  serve)   echo "== $PARAMS: load, validate, decode b1 of the kept artifact $WORK/art-$TARGET"
+           ARGS=(--serve-only --decode --validate);;
+esac
+timeout "$LIMIT" python benchmarks/bench_scale.py --params "$PARAMS" --targets "$TARGET" "${ARGS[@]}" \
+  --cache "$CKPT_ROOT" --work "$WORK" --label h200 --timeout "$LIMIT" --bound-extra-gib 2 \
+  --json "$JSON" > "$LOG.log" 2> "$LOG.err"
 echo "rc=$?"
-grep -E '^checkpoint|^\{"target"' "$OUT/scale_${PARAMS}.err" | cut -c1-600
-python - "$JSON" <<'EOF' || tail -30 "$OUT/scale_${PARAMS}.err"
+if [ "$STAGE" = compile ]; then
+  if [ -f "$WORK/art-$TARGET/manifest.json" ]; then cp "$JSON" "$WORK/scale.json"; touch "$WORK/KEPT"
+    echo "artifact kept in $WORK/art-$TARGET ($(du -sh "$WORK/art-$TARGET" | cut -f1)); next call: STAGE=serve (or auto)"
+  else echo "the compile left no artifact: see $LOG.err"; fi
+fi
+grep -E '^checkpoint|^\{"target"|no artifact' "$LOG.err" | cut -c1-600
+python - "$JSON" <<'EOF' || tail -30 "$LOG.err"
 import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"last stage: {d.get('last_stage')}; checkpoint built in {d.get('checkpoint_s')} s")
 for r in d["rows"]:
     c, lo = r.get("compile", {}), r.get("load", {})
-    print(f"{d['params']} ({d['weight_gib']} GiB): compile {r.get('compile_s')} s {c.get('timings')}, peak RSS "
+    print(f"{d['params']} ({d.get('weight_gib')} GiB): compile {r.get('compile_s')} s {c.get('timings')}, peak RSS "
           f"{r.get('peak_rss_compile_gib')} GiB ({r.get('rss_over_weights')}x; bound {r.get('bound_gib')} GiB: "
           f"{r.get('within_bound')}), load {r.get('load_s')} s (verify {lo.get('verify_s')} s), "
           f"decode b1 {r.get('decode_b1')}, validate {lo.get('validate', {}).get('ok')}")
@@ -95,6 +134,6 @@ for r in d["rows"]:
         if "error" in r.get(k, {}):
             print(k, "ERROR", r[k]["error"], r[k].get("stderr_tail", "")[-1500:])
 EOF
-rm -rf "$WORK"
-[ "$PARAMS" = 32B ] && rm -rf "$CKPT_ROOT"
+if [ "$STAGE" != compile ]; then rm -rf "$WORK"; fi   # compile: kept for the serve call
+if [ "$PARAMS" = 32B ]; then rm -rf "$CKPT_ROOT"; fi
 exit 0

@@ -14,24 +14,24 @@ from portlayer.passes.select import select
 H200_AFTER = """
 def forward(input_ids: int64[num_tokens], positions: int64[num_tokens]):
     h = embedding(emb, input_ids)  # float16[num_tokens, 64]  meta={'kernel': 'k000_h'}
-    x = rms_norm(h, ln)  # float16[num_tokens, 64]  meta={'kernel': 'k001_x'}
-    q = linear(x, wq, None)  # float16[num_tokens, 64]  meta={'kernel': 'k002_q'}
-    k = linear(x, wk, None)  # float16[num_tokens, 32]  meta={'kernel': 'k002_q'}
-    v = linear(x, wv, None)  # float16[num_tokens, 32]  meta={'kernel': 'k002_q'}
-    qh = reshape(q, shape=['num_tokens', 2, 32])  # float16[num_tokens, 2, 32]  meta={'kernel': 'k002_q'}
-    kh = reshape(k, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k002_q'}
-    vh = reshape(v, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k002_q'}
-    qr = rope(qh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k003_qr'}
-    kr = rope(kh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 1, 32]  meta={'kernel': 'k003_qr'}
-    a = attention(qr, kr, vh, num_heads=2, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k004_a'}
-    a2 = reshape(a, shape=['num_tokens', 64])  # float16[num_tokens, 64]  meta={'kernel': 'k004_a'}
-    o = linear(a2, wo, None)  # float16[num_tokens, 64]  meta={'kernel': 'k005_o'}
-    r = add(h, o)  # float16[num_tokens, 64]  meta={'kernel': 'k006_y'}
-    y = rms_norm(r, ln2)  # float16[num_tokens, 64]  meta={'kernel': 'k006_y'}
-    up = linear(y, wu, None)  # float16[num_tokens, 128]  meta={'kernel': 'k007_up'}
-    gate = linear(y, wg, None)  # float16[num_tokens, 128]  meta={'kernel': 'k008_gate'}
-    act = silu(gate)  # float16[num_tokens, 128]  meta={'kernel': 'k008_gate'}
-    m = mul(act, up)  # float16[num_tokens, 128]  meta={'kernel': 'k008_gate'}
+    x = rms_norm(h, ln)  # float16[num_tokens, 64]  meta={'kernel': 'k001_q'}
+    q = linear(x, wq, None)  # float16[num_tokens, 64]  meta={'kernel': 'k001_q'}
+    k = linear(x, wk, None)  # float16[num_tokens, 32]  meta={'kernel': 'k001_q'}
+    v = linear(x, wv, None)  # float16[num_tokens, 32]  meta={'kernel': 'k001_q'}
+    qh = reshape(q, shape=['num_tokens', 2, 32])  # float16[num_tokens, 2, 32]  meta={'kernel': 'k001_q'}
+    kh = reshape(k, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k001_q'}
+    vh = reshape(v, shape=['num_tokens', 1, 32])  # float16[num_tokens, 1, 32]  meta={'kernel': 'k001_q'}
+    qr = rope(qh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k002_qr'}
+    kr = rope(kh, positions, cache, rotary_dim=32, head_dim=32)  # float16[num_tokens, 1, 32]  meta={'kernel': 'k002_qr'}
+    a = attention(qr, kr, vh, num_heads=2, head_dim=32)  # float16[num_tokens, 2, 32]  meta={'kernel': 'k003_a'}
+    a2 = reshape(a, shape=['num_tokens', 64])  # float16[num_tokens, 64]  meta={'kernel': 'k003_a'}
+    o = linear(a2, wo, None)  # float16[num_tokens, 64]  meta={'kernel': 'k004_o'}
+    r = add(h, o)  # float16[num_tokens, 64]  meta={'kernel': 'k005_gate'}
+    y = rms_norm(r, ln2)  # float16[num_tokens, 64]  meta={'kernel': 'k005_gate'}
+    gate = linear(y, wg, None)  # float16[num_tokens, 128]  meta={'kernel': 'k005_gate'}
+    act = silu(gate)  # float16[num_tokens, 128]  meta={'kernel': 'k005_gate'}
+    up = linear(y, wu, None)  # float16[num_tokens, 128]  meta={'kernel': 'k005_gate'}
+    m = mul(act, up)  # float16[num_tokens, 128]  meta={'kernel': 'k005_gate'}
     return m
 """
 
@@ -55,18 +55,33 @@ def test_fuse_h200_ir_text_and_kernel_records():
     out = _fused(LAYER, "nvidia-h200")
     assert print_graph(keep_meta(out, ("kernel",)), show_meta=True) == _canon(H200_AFTER)
     ks = {k["name"]: k for k in out.meta["kernels"]}
-    # the record names the anchor's registered implementation: its lowering realises the whole group
-    assert ks["k006_y"] == {"name": "k006_y", "family": "reduction", "impl": "triton.rms_norm", "anchor": "y",
-                            "nodes": ["r", "y"], "inputs": ["h", "o", "ln2"], "outputs": ["y"]}
-    assert ks["k008_gate"]["family"] == "gemm" and ks["k008_gate"]["epilogue"] == ["act", "m"]
-    assert ks["k003_qr"]["family"] == "rope" and ks["k003_qr"]["nodes"] == ["qr", "kr"]
+    # the record names the anchor's registered implementation: its lowering realises the whole group.
+    # nvidia-h200 runs the few-rows GEMM at decode (tuning.gemv_max_tokens), so each norm became the
+    # prologue of the GEMMs it feeds; above the rows rule the lowering runs it as its own kernel into
+    # the scratch the record names
+    assert ks["k005_gate"] == {"name": "k005_gate", "family": "gemm", "impl": "triton.gemm", "anchor": "gate",
+                               "nodes": ["r", "y", "gate", "act", "up", "m"], "inputs": ["h", "o", "ln2", "wg", "wu"],
+                               "outputs": ["m"], "prologue": ["r", "y"], "epilogue": ["act", "m"],
+                               "scratch": ["y", "gate", "up"]}
+    assert ks["k002_qr"]["family"] == "rope" and ks["k002_qr"]["nodes"] == ["qr", "kr"]
     # Q, K and V read x once: sibling linears side by side, each output leaving the kernel
-    assert ks["k002_q"]["nodes"][:3] == ["q", "k", "v"] and ks["k002_q"]["outputs"] == ["qh", "kh", "vh"]
-    assert ks["k002_q"]["epilogue"] == [] and "scratch" not in ks["k002_q"]
-    # the gate GEMM took its silu * up epilogue, so up stays alone (a sibling group holds bare linears only)
-    assert ks["k007_up"]["nodes"] == ["up"]
-    # legality, not priority, refused the residual add as a GEMM epilogue
-    assert "residual" in out.meta["fusion"]["refused"]["o+r"]
+    assert ks["k001_q"]["nodes"][:4] == ["x", "q", "k", "v"] and ks["k001_q"]["outputs"] == ["qh", "kh", "vh"]
+    assert ks["k001_q"]["prologue"] == ["x"] and ks["k001_q"]["epilogue"] == [] and ks["k001_q"]["scratch"] == ["x"]
+    # the rope kernel writes the attention's K/V into the paged cache
+    assert ks["k002_qr"]["kv_write"] == {"attention": "a", "v": "vh", "layer": 0}
+    assert ks["k003_a"]["kv_written_by"] == "k002_qr"
+    # legality, not priority, refused the o_proj GEMM into the next one (and x leaving the QKV kernel)
+    assert "o+r" in out.meta["fusion"]["refused"]
+    assert "never stores the normalised rows" in out.meta["fusion"]["refused"]["x+q"]
+
+
+def test_fuse_without_few_rows_kernel_keeps_the_norms():
+    """amd-mi300x has no tuning.gemv_max_tokens: a norm prologue would save nothing there."""
+    out = _fused(LAYER, "amd-mi300x")
+    ks = {k["anchor"]: k for k in out.meta["kernels"]}
+    assert ks["y"]["impl"] == "triton.rms_norm" and ks["y"]["nodes"] == ["r", "y"]
+    assert ks["x"]["nodes"] == ["x"] and "prologue" not in ks["q"]
+    assert "gemv_max_tokens = 0" in out.meta["fusion"]["refused"]["x+q"]
 
 
 def test_fuse_respects_max_fused_inputs():
@@ -114,9 +129,12 @@ def test_tiny_qwen3_h200_fusion_ratio(captured):
         if len(ops) > 1 and ops not in groups.setdefault(k["impl"], []):
             groups[k["impl"]].append(ops)
     assert groups["triton.rope"] == [["rms_norm", "rms_norm", "rope", "rope"]]  # q/k norm + rope: one kernel
-    assert ["add", "rms_norm"] in groups["triton.rms_norm"]  # residual add + norm
-    # Q|K|V side by side, and the gate GEMM with the silu * up epilogue
-    assert sorted(groups["triton.gemm"]) == [["linear", "linear", "linear"], ["linear", "mul", "silu"]]
+    # norm + Q|K|V side by side, norm + gate|up with the silu * up epilogue (decode: one launch each), and
+    # the final residual add + norm in the (small: under gemv_max_weight_mib) vocabulary projection
+    assert sorted(groups["triton.gemm"]) == [["add", "linear", "linear", "linear", "rms_norm"],
+                                             ["add", "linear", "linear", "mul", "rms_norm", "silu"],
+                                             ["add", "linear", "rms_norm"],
+                                             ["linear", "linear", "linear", "rms_norm"]]
 
 
 def test_gpt2_bias_activation_epilogue_and_bert(captured):

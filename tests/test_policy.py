@@ -89,6 +89,22 @@ def test_edited_descriptor_changes_the_plan_without_code(qwen3, tmp_path):
     assert edited.launch_config("gemm")["num_stages"] < base.launch_config("gemm")["num_stages"]
 
 
+def test_measured_prefill_tile_is_the_descriptors_data(qwen3, tmp_path):
+    """tuning.attention_prefill_block_m (a measurement, with its source) sets the prefill attention tile and
+    its warps; removing it from an edited copy falls back to the shared-memory rule, no code involved."""
+    raw = load_descriptor("nvidia-h200").raw
+    measured = negotiate(qwen3, "nvidia-h200")
+    cfg = measured.launch_config("attention_prefill")
+    assert cfg["BLOCK_M"] == raw["tuning"]["attention_prefill_block_m"] == 64 and cfg["num_warps"] == 4
+    assert "measured" in measured.decision("launch.attention_prefill").reason
+    del raw["tuning"]["attention_prefill_block_m"]
+    del raw["sources"]["tuning.attention_prefill_block_m"]
+    path = tmp_path / "h200-unmeasured.json"
+    path.write_text(json.dumps(raw))
+    rule = negotiate(qwen3, str(path)).launch_config("attention_prefill")
+    assert rule["BLOCK_M"] == 128 and rule["num_warps"] == 8  # 232 KB of shared memory holds two 128-row stages
+
+
 def test_deterministic_and_json_round_trip(qwen3):
     a, b = negotiate(qwen3, "amd-mi300x"), negotiate(qwen3, "amd-mi300x")
     assert a.to_json() == b.to_json()

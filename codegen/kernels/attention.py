@@ -103,6 +103,7 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
     q, k, v = node.inputs[:3]
     out = node.outputs[0].name
     layer = int(node.attrs.get("layer", 0))
+    written = bool(group.record.get("kv_written_by"))  # the rope kernel stores K/V (passes/fuse_kv.py)
     cache, row, block, cw = build_cache_write(ctx, node)
     pre, pconst, c, pcfg = build_prefill(ctx, node, paged=True)
     dense, dconst, _, _ = build_prefill(ctx, node, paged=False)
@@ -116,9 +117,10 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"# {c['HQ']} query heads over {c['HKV']} KV heads of {c['D']}, {'causal' if c['causal'] else 'bidirectional'}",
         "if st.paged:",
         f"    k_cache, v_cache = {ctx.kv_cache_expr(layer)}",
-        "    if st.slot_mapping is not None:",
-        f"        K.{cache.name}[(T,)]({k}, {v}, k_cache, v_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
-        f"num_warps={cw})",
+        *(["    # K/V are in the cache already: the rope kernel wrote them"] if written else [
+            "    if st.slot_mapping is not None:",
+            f"        K.{cache.name}[(T,)]({k}, {v}, k_cache, v_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
+            f"num_warps={cw})"]),
         "    if st.num_prefills:",
         f"        K.{pre.name}[(triton.cdiv(st.max_query_len, {pconst['BLOCK_M']}), st.num_prefills, {c['HQ']})](",
         f"            {q}, k_cache, v_cache, {out}, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, {s},",
@@ -138,6 +140,6 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {consts(dconst)},",
         f"        num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
     ]
-    code = GroupCode([cache, pre, dense, dec, red], lines, [out])
+    code = GroupCode(([] if written else [cache]) + [pre, dense, dec, red], lines, [out])
     code.kernels[-1].extra["scratch"] = (c["HQ"], kconst["NUM_SPLITS"], c["BLOCK_D"])
     return code

@@ -38,8 +38,6 @@ def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     for n in nodes:
         if n.inputs[0] != x:
             return False, f"{n.name} reads {n.inputs[0]}, not {x}: only projections of one input share a launch"
-        if len(n.inputs) > 2 and n.inputs[2] is not None:
-            return False, f"{n.name} has a bias (the sibling kernel stores the bare products)"
         if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
             return False, "the sibling weights differ in dtype"
         if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
@@ -130,9 +128,10 @@ def _gemv_blocks(cfg: dict[str, int], n: int, k: int, group: int = 32) -> tuple[
     return bn, bk
 
 
-def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False):
+def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False, prologue: Any = None):
     """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes);
-    ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products."""
+    ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products;
+    ``prologue``: its norm prologue (gemv_fused.NormPrologue: the activation is computed in-kernel)."""
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
     quant = None
@@ -167,6 +166,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
                  "GROUP_M": 8}
     params = [Param("a_ptr", ptr(x_t.dtype))]
     args = [x]
+    if prologue is not None:
+        params, args = [*prologue.params, *params[1:]], [*prologue.args, *args[1:]]
     if quant:
         if not few_rows:  # the tensor-core kernel scales a whole K tile once: tiles stay in a group
             const["BLOCK_K"] = _block_k(gsize, cfg["BLOCK_K"], 32 if bits == 4 else 16)
@@ -185,8 +186,10 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     epi_ops = body.operands if body else []
     params += [Param(f"{op.var}_ptr", ptr(op.dtype)) for op in epi_ops]
     params += [Param("c_ptr", ptr(out_t.dtype)), Param("M", "i32")]
+    params += [Param("eps", "fp32")] if prologue is not None else []
     params += [Param(c, "constexpr") for c in const]
     variant = (f"w{quant['bits']}{'a' if quant['offsets'] else ''}_" if quant else "")
+    variant += prologue.variant if prologue is not None else ""
     variant += ("epi_" + "_".join(n.op for n in epi[:3]) + "_" if epi else "") + short_dtype(x_t.dtype)
     spec = make_kernel(
         "triton/gemv.py.j2" if few_rows else "triton/gemm.py.j2", "gemv" if few_rows else "gemm", variant, params,
@@ -197,7 +200,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         epilogue_ptrs=[f"{op.var}_ptr" for op in epi_ops],
         epilogue_loads=[load_line(op, f"{op.var}_ptr", "cmask") for op in epi_ops],
         epilogue_lines=body.lines if body else [], epilogue_result=body.results[out_name] if body else "y",
-        round_dtype=round_dtype(out_t.dtype),
+        round_dtype=round_dtype(out_t.dtype), prologue=prologue.template if prologue is not None else None,
     )
     args += [op.value for op in epi_ops] + [out_name]
     return spec, args, const, cfg
@@ -213,7 +216,7 @@ def _triton_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
 
-def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> list[str]:
+def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg, tail: str = "") -> list[str]:
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
@@ -221,7 +224,7 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg) -> 
     spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"],
                                               *([const["G"]] if least else []))
     return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
-            f"K.{spec.name}[{grid}]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
+            f"K.{spec.name}[{grid}]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
 
@@ -243,38 +246,14 @@ def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]
     return lines + ["else:"] + [f"    {v}" for v in rest]
 
 
-def _sibling_gemv(ctx: GenContext, group: KernelGroup) -> tuple[Any, list[str]]:
-    """The one-launch few-rows kernel of sibling linears and its launch line."""
-    nodes = group.nodes
-    x = nodes[0].inputs[0]
-    x_t = ctx.types[x]
-    ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in nodes]
-    k_in = int(x_t.shape[-1])
-    cfg = ctx.cfg("gemv")
-    bn, bk = _gemv_blocks(cfg, sum(ns), k_in)
-    parts = len(nodes)
-    out_t = nodes[0].outputs[0].type
-    params = ([Param("a_ptr", ptr(x_t.dtype))] + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(nodes)]
-              + [Param(f"c{i}_ptr", ptr(out_t.dtype)) for i in range(parts)] + [Param(f"N{i}", "i32") for i in range(parts)]
-              + [Param("M", "i32")] + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
-    const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
-    spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", f"x{parts}_{short_dtype(x_t.dtype)}", params, const,
-                       cfg["num_warps"], cfg["num_stages"], parts=parts,
-                       doc=f"{parts} matrix multiplies of one activation for few rows, in one launch.")
-    m = host_numel(x_t.shape[:-1])
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
-    grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
-    args = [x, *(n.inputs[1] for n in nodes), *(n.outputs[0].name for n in nodes), *(str(n) for n in ns)]
-    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
-                  f"K.{spec.name}[({grid},)]({', '.join(args)}, {m}, BLOCK_M=bm, BLOCK_K=bk, K={k_in}, "
-                  f"BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
-
-
-def build_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
+def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> GroupCode:
     """A GEMM group's code: the few-rows kernel at decode sizes (gemm_rule), else the Triton or
-    the vendor GEMM; sibling linears share one few-rows launch and run one by one above it."""
+    the vendor GEMM; sibling linears share one few-rows launch and run one by one above it.
+    ``few_rows=False``: only the kernels above the rule (a caller with its own few-rows kernel)."""
+    from portlayer.codegen.kernels.gemv_fused import sibling_gemv
+
     if not siblings(group.nodes):
-        return _build_one(ctx, group, few_rows=ctx.gemv_max_tokens > 0)
+        return _build_one(ctx, group, few_rows=few_rows and ctx.gemv_max_tokens > 0)
     code = GroupCode(buffers=[n.outputs[0].name for n in group.nodes])
     rest: list[str] = []
     for n in group.nodes:
@@ -283,10 +262,10 @@ def build_gemm(ctx: GenContext, group: KernelGroup) -> GroupCode:
         part = _build_one(ctx, one, few_rows=False)
         code.kernels += part.kernels
         rest += part.lines
-    if ctx.gemv_max_tokens <= 0:
+    if ctx.gemv_max_tokens <= 0 or not few_rows:
         code.lines = rest
         return code
-    spec, few = _sibling_gemv(ctx, group)
+    spec, few = sibling_gemv(ctx, group.nodes, None)
     code.kernels.append(spec)
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     code.lines = _by_rows(m, [(ctx.gemv_max_tokens, few, "gemm_rule: a few rows read the weights once, one launch")],

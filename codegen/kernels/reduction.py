@@ -37,6 +37,9 @@ def _split(nodes: list[Node], types: Mapping[str, TensorType]) -> tuple[Node, li
     return norm, pro, epi
 
 
+split_row_norm = _split  # the GEMM's norm prologue (gemm_group.py) is this kernel's shape too
+
+
 def accepts_reduction(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     """One row norm with a residual-add prologue and a pointwise epilogue; only the residual sum
     and the last node's value may leave the kernel (those are the two stores it makes)."""

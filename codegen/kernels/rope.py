@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from portlayer.codegen.expr import Unsupported
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
-from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
+from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup, Unlowerable
 from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
@@ -97,13 +97,32 @@ def build_rope(ctx: GenContext, group: KernelGroup) -> GroupCode:
     norm_cfg = {s: {"weight": len(n.inputs) > 1 and n.inputs[1] is not None,
                     "offset": float(n.attrs.get("weight_offset") or 0.0)} for s, n in norm_of.items() if n is not None}
     variant = ("norm_" if norm_cfg else "") + f"{style}{'_partial' if partial else ''}_{short_dtype(dt)}"
-    spec = make_kernel("triton/rope.py.j2", "rope", variant, params, const, cfg["num_warps"],
-                       doc=f"Rotary embedding ({style}) of q and k{' after their per-head rms_norm' if norm_cfg else ''}.",
-                       style=style, partial=partial, norms=norm_cfg, round_dtype=round_dtype(dt))
+    doc = f"Rotary embedding ({style}) of q and k{' after their per-head rms_norm' if norm_cfg else ''}"
+    spec = make_kernel("triton/rope.py.j2", "rope", variant, params, const, cfg["num_warps"], doc=doc + ".",
+                       style=style, partial=partial, norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=False)
     n = host_numel(q_t.shape[:1])
     k_out = k.outputs[0].name if len(ropes) == 2 else q.outputs[0].name
     consts = ", ".join(f"{c}={v}" for c, v in const.items())
     eps_args = "".join(f", {v!r}" for v in eps.values())
     line = (f"K.{spec.name}[({n},)]({', '.join(args)}, {q.outputs[0].name}, {k_out}, {n}{eps_args}, {consts}, "
             f"num_warps={cfg['num_warps']})")
-    return GroupCode([spec], [line], [r.outputs[0].name for r in ropes])
+    kv = group.record.get("kv_write")
+    if not kv:
+        return GroupCode([spec], [line], [r.outputs[0].name for r in ropes])
+    # The fuse pass gave this kernel the attention's cache write (passes/fuse_kv.py).
+    v = kv["v"]
+    if len(ropes) != 2 or int(ctx.types[v].shape[1]) != hk or int(ctx.types[v].shape[2]) != d:
+        raise Unlowerable(f"group {group.name}: the KV write wants V [T, {hk}, {d}] beside q/k ropes, got {ctx.types[v]}")
+    at = params.index(next(p for p in params if p.name == "q_out_ptr"))
+    kv_params = [*params[:at], Param("v_ptr", ptr(ctx.types[v].dtype)), Param("k_cache_ptr", ptr(k_t.dtype)),
+                 Param("v_cache_ptr", ptr(ctx.types[v].dtype)), Param("slot_mapping_ptr", "*i64"), *params[at:],
+                 Param("BLOCK_V", "constexpr")]
+    kv_const = {**const, "BLOCK_V": pow2(d)}
+    kspec = make_kernel("triton/rope.py.j2", "rope", "kv_" + variant, kv_params, kv_const, cfg["num_warps"],
+                        doc=doc + ", writing K and V into the paged cache.", style=style, partial=partial,
+                        norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=True)
+    kv_line = (f"K.{kspec.name}[({n},)]({', '.join(args)}, {v}, k_cache, v_cache, st.slot_mapping, {q.outputs[0].name}, "
+               f"{k_out}, {n}{eps_args}, {consts}, BLOCK_V={pow2(d)}, num_warps={cfg['num_warps']})")
+    lines = ["if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)",
+             f"    k_cache, v_cache = {ctx.kv_cache_expr(int(kv['layer']))}", f"    {kv_line}", "else:", f"    {line}"]
+    return GroupCode([spec, kspec], lines, [r.outputs[0].name for r in ropes])

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def attn_prefill_dense_bf16_f826c5(
+def attn_prefill_dense_bf16_02d7e6(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -47,24 +47,42 @@ def attn_prefill_dense_bf16_f826c5(
 
         hi = tl.minimum(seq_len, context + (mblock + 1) * BLOCK_M)
         lo = 0
+        # Scores in log2 units (exp2 is one instruction; exp is exp2 plus a multiply).
+        qk_scale = scale * 1.4426950408889634
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        # Key blocks wholly at or before this block's first query position need no mask at all: they
+        # are loaded unmasked and scored without the causal test; only the blocks on the diagonal are.
+        full = lo + tl.maximum(0, tl.minimum(hi, context + mblock * BLOCK_M + 1) - lo) // BLOCK_N * BLOCK_N
+        for start in range(lo, full, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            kv_rows = (q_start + n).to(tl.int64) * HKV * D + kvh * D
+            k = tl.load(k_ptr + kv_rows[:, None] + d[None, :])
+            v = tl.load(v_ptr + kv_rows[:, None] + d[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new  # every row has a visible key in an unmasked block
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for start in range(full, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < hi
             kv_rows = (q_start + n).to(tl.int64) * HKV * D + kvh * D
-            kvmask = nmask[:, None] & dmask[None, :]
+            kvmask = nmask[:, None]
             k = tl.load(k_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             keep = nmask[None, :]
             keep = keep & (n[None, :] <= q_pos[:, None])
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new

@@ -10,7 +10,7 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_norm_neox_bf16_6190b5(
+def rope_norm_neox_bf16_d68340(
     q_ptr,
     k_ptr,
     pos_ptr,
@@ -56,8 +56,10 @@ def rope_norm_neox_bf16_6190b5(
     x2 = x2 * (tl.load(q_w_ptr + second, mask=imask, other=0.0).to(tl.float32))[None, :]
     x1 = x1.to(tl.bfloat16).to(tl.float32)
     x2 = x2.to(tl.bfloat16).to(tl.float32)
-    tl.store(q_out_ptr + base + first[None, :], x1 * cos[None, :] - x2 * sin[None, :], mask=m)
-    tl.store(q_out_ptr + base + second[None, :], x2 * cos[None, :] + x1 * sin[None, :], mask=m)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(q_out_ptr + base + first[None, :], o1, mask=m)
+    tl.store(q_out_ptr + base + second[None, :], o2, mask=m)
     # key heads
     base = t * HK * D + h[:, None] * D
     m = (h[:, None] < HK) & imask[None, :]
@@ -74,5 +76,7 @@ def rope_norm_neox_bf16_6190b5(
     x2 = x2 * (tl.load(k_w_ptr + second, mask=imask, other=0.0).to(tl.float32))[None, :]
     x1 = x1.to(tl.bfloat16).to(tl.float32)
     x2 = x2.to(tl.bfloat16).to(tl.float32)
-    tl.store(k_out_ptr + base + first[None, :], x1 * cos[None, :] - x2 * sin[None, :], mask=m)
-    tl.store(k_out_ptr + base + second[None, :], x2 * cos[None, :] + x1 * sin[None, :], mask=m)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(k_out_ptr + base + first[None, :], o1, mask=m)
+    tl.store(k_out_ptr + base + second[None, :], o2, mask=m)

@@ -6,6 +6,7 @@ The programs are split among the weights: the first cdiv(N_0, BLOCK_N) take W_0'
 W_1's, and so on; each streams its [BLOCK_N, K] slice of W once, as in the single-weight kernel. One
 launch instead of 3: at decode each of these GEMMs is a few microseconds of reading, so the
 launch and the ramp-up of every kernel are a large part of its time.
+A is the RMSNorm of the kernel's input, computed in every program's prologue (one more launch saved).
 """
 
 import triton
@@ -13,8 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv_x3_bf16_0d287e(
+def gemv_x3_rms_bf16_8e2a73(
     a_ptr,
+    nw_ptr,
     w0_ptr,
     w1_ptr,
     w2_ptr,
@@ -25,6 +27,7 @@ def gemv_x3_bf16_0d287e(
     N1,
     N2,
     M,
+    eps,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,11 +53,25 @@ def gemv_x3_bf16_0d287e(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Prologue: RMSNorm of the M rows, per program (K is the whole row).
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xmask = (rm[:, None] < M) & (rk < K)[None, :]
+        xoffs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        x = tl.load(a_ptr + xoffs, mask=xmask, other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+    rstd = tl.rsqrt(sq / K + eps)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & kmask[None, :],
-                    other=0.0).to(tl.float32)
+        xoffs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        a = tl.load(a_ptr + xoffs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0).to(tl.float32)
+        a = a * rstd[:, None]
+        a = a.to(tl.bfloat16).to(tl.float32)  # HF casts back to the input dtype before the weight
+        nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+        a = a * nw[None, :]
+        a = a.to(tl.bfloat16).to(tl.float32)  # the norm's output dtype, as the GEMM would read it
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)

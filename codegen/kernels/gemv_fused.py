@@ -1,0 +1,148 @@
+"""The few-rows GEMMs' fused forms at decode (gemm_rule: rows <= tuning.gemv_max_tokens).
+
+At a handful of rows every few-rows program reads the whole activation row anyway (K = hidden),
+so the residual add + RMSNorm that makes it can run in each program's prologue
+(templates/triton/_norm_prologue.j2): the norm's launch and its output's round trip go away.
+Sibling linears of one activation share a launch two ways: split among the programs (Q|K|V, each
+output stored) or, when an epilogue combines them (silu(gate) * up), every program computing the
+same columns of each weight so the products meet in registers (gemv_joint.py.j2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from portlayer.codegen.expr import load_line, lower_chain
+from portlayer.codegen.host_support import gemv_block_choices
+from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
+from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
+from portlayer.flatten.ir import Node
+
+
+@dataclass
+class NormPrologue:
+    """The kernel arguments and template flags of a [add,] rms_norm prologue."""
+
+    params: list[Param]
+    args: list[str]
+    template: dict[str, Any]
+    eps: float
+    variant: str
+    written: list[str] = field(default_factory=list)  # the residual sum, when it leaves the group
+
+
+def norm_prologue(ctx: GenContext, prologue: list[Node], outputs: list[str]) -> NormPrologue:
+    """``prologue`` is [rms_norm] or [add, rms_norm] (gemm_group checked it); ``outputs`` the group's."""
+    norm = prologue[-1]
+    add = prologue[0] if len(prologue) == 2 else None
+    x = add.inputs[0] if add else norm.inputs[0]
+    x_t = ctx.types[norm.inputs[0]]
+    in_dtype = norm.attrs.get("dtype") or x_t.dtype
+    store_sum = add is not None and add.outputs[0].name in outputs
+    has_w = len(norm.inputs) > 1 and norm.inputs[1] is not None
+    params, args = [Param("a_ptr", ptr(ctx.types[x].dtype))], [x]
+    if add is not None:
+        params.append(Param("res_ptr", ptr(ctx.types[add.inputs[1]].dtype)))
+        args.append(add.inputs[1])
+    if store_sum:
+        params.append(Param("sum_ptr", ptr(x_t.dtype)))
+        args.append(add.outputs[0].name)
+    if has_w:
+        params.append(Param("nw_ptr", ptr(ctx.types[norm.inputs[1]].dtype)))
+        args.append(norm.inputs[1])
+    template = {"residual": add is not None, "store_sum": store_sum, "has_weight": has_w,
+                "round_in": round_dtype(in_dtype), "round_out": round_dtype(norm.outputs[0].type.dtype),
+                "weight_offset": norm.attrs.get("weight_offset", 0.0) or 0.0}
+    return NormPrologue(params, args, template, float(norm.attrs.get("eps", 0.0) or 0.0),
+                        ("add_" if add else "") + ("" if store_sum or not add else "nosum_") + "rms_",
+                        [add.outputs[0].name] if store_sum else [])
+
+
+def _blocks(ctx: GenContext, n: int, k: int, parts: int = 1) -> tuple[int, int]:
+    from portlayer.codegen.kernels.gemm import _gemv_blocks
+
+    cfg = ctx.cfg("gemv")
+    return _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k)
+
+
+def _bias(n: Node) -> str | None:
+    return n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else None
+
+
+def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None) -> tuple[KernelSpec, list[str]]:
+    """Sibling linears of one activation in one few-rows launch, the programs split among the weights."""
+    x_t = ctx.types[linears[0].inputs[0]]
+    ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in linears]
+    k_in = int(x_t.shape[-1])
+    cfg = ctx.cfg("gemv")
+    bn, bk = _blocks(ctx, sum(ns), k_in)
+    parts = len(linears)
+    biases = [_bias(n) for n in linears]
+    out_t = linears[0].outputs[0].type
+    head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
+    params = (head + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(linears)]
+              + [Param(f"b{i}_ptr", ptr(ctx.types[b].dtype)) for i, b in enumerate(biases) if b]
+              + [Param(f"c{i}_ptr", ptr(out_t.dtype)) for i in range(parts)] + [Param(f"N{i}", "i32") for i in range(parts)]
+              + [Param("M", "i32")] + ([Param("eps", "fp32")] if pro else [])
+              + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
+    const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+    starts = ["0"] + [" + ".join(f"tl.cdiv(N{j}, BLOCK_N)" for j in range(i + 1)) for i in range(parts)]
+    variant = f"x{parts}_" + ("bias_" if any(biases) else "") + (pro.variant if pro else "") + short_dtype(x_t.dtype)
+    spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
+                       parts=parts, biases=[bool(b) for b in biases], starts=starts,
+                       prologue=pro.template if pro else None,
+                       doc=f"{parts} matrix multiplies of one activation for few rows, in one launch.")
+    m = host_numel(x_t.shape[:-1])
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
+    grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
+    args = [*(pro.args if pro else [linears[0].inputs[0]]), *(n.inputs[1] for n in linears), *(b for b in biases if b),
+            *(n.outputs[0].name for n in linears), *(str(n) for n in ns)]
+    tail = f", {pro.eps!r}" if pro else ""
+    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
+                  f"K.{spec.name}[({grid},)]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, K={k_in}, "
+                  f"BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
+
+
+def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: NormPrologue | None
+               ) -> tuple[KernelSpec, list[str], str]:
+    """Linears of one activation and equal N, every program the same columns of each, and the
+    epilogue that combines them; returns (spec, launch lines, the value it writes)."""
+    from portlayer.codegen.kernels.gemm import GEMM_IDX
+
+    x = linears[0].inputs[0]
+    x_t = ctx.types[x]
+    n_out = int(ctx.types[linears[0].inputs[1]].shape[0])
+    k_in = int(x_t.shape[-1])
+    parts = len(linears)
+    cfg = ctx.cfg("gemv")
+    bn, bk = _blocks(ctx, n_out, k_in, parts)
+    out_name = epilogue[-1].outputs[0].name
+    out_t = ctx.types[out_name]
+    body = lower_chain(epilogue, ctx.types, out_t.shape, GEMM_IDX,
+                       bound={n.outputs[0].name: f"y{i}" for i, n in enumerate(linears)}, prefix="e")
+    biases = [_bias(n) for n in linears]
+    head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
+    params = (head + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(linears)]
+              + [Param(f"b{i}_ptr", ptr(ctx.types[b].dtype)) for i, b in enumerate(biases) if b]
+              + [Param(f"{op.var}_ptr", ptr(op.dtype)) for op in body.operands]
+              + [Param("c_ptr", ptr(out_t.dtype)), Param("M", "i32")] + ([Param("eps", "fp32")] if pro else [])
+              + [Param(c, "constexpr") for c in ("N", "K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
+    const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+    variant = (f"j{parts}_" + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
+               + "epi_" + "_".join(n.op for n in epilogue[:3]) + "_" + short_dtype(x_t.dtype))
+    spec = make_kernel("triton/gemv_joint.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
+                       parts=parts, biases=[bool(b) for b in biases], prologue=pro.template if pro else None,
+                       rounds=[round_dtype(n.outputs[0].type.dtype) for n in linears],
+                       epilogue_ptrs=[f"{op.var}_ptr" for op in body.operands],
+                       epilogue_loads=[load_line(op, f"{op.var}_ptr", "cmask") for op in body.operands],
+                       epilogue_lines=body.lines, epilogue_result=body.results[out_name],
+                       doc=f"{parts} matrix multiplies of one activation and their fused epilogue for few rows, in one launch.")
+    m = host_numel(x_t.shape[:-1])
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
+    args = [*(pro.args if pro else [x]), *(n.inputs[1] for n in linears), *(b for b in biases if b),
+            *(op.value for op in body.operands), out_name]
+    tail = f", {pro.eps!r}" if pro else ""
+    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
+                  f"K.{spec.name}[(triton.cdiv({n_out}, {bn}),)]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, "
+                  f"N={n_out}, K={k_in}, BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"], out_name

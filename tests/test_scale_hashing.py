@@ -1,0 +1,153 @@
+"""Issue 20, compile time: hashes computed while writing and in parallel chunks keep their guarantees,
+and the validation set computed beside codegen is the serial one, bit for bit.
+
+Expected digests come from hashlib over the file's bytes as read back here; expected tensors from
+safetensors' own reader and from the serial compile of the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from portlayer.flatten import weights_stream as WS
+from portlayer.runtime import cache, file_hash
+
+
+def _chunk_shas(data: bytes, cb: int) -> list[str]:
+    return [hashlib.sha256(data[i:i + cb]).hexdigest() for i in range(0, len(data), cb)]
+
+
+def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: object) -> str:
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(file_hash, "_hash_range", refuse)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    cb = 1 << 12
+    monkeypatch.setattr(WS, "HASH_CHUNK_BYTES", cb)
+    monkeypatch.setattr(file_hash, "CHUNK_BYTES", cb)
+    monkeypatch.setattr(file_hash, "CHUNKED_MIN_BYTES", 1 << 10)
+    return cb
+
+
+def test_hashes_made_while_writing_are_hashlibs_and_a_changed_file_is_hashed_again(tmp_path, small_chunks, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(257, 33, generator=g)
+    tensors = {f"t{i}": (WS.cast(x * i, torch.bfloat16) if i % 2 else x[:, i:]) for i in range(9)}
+    tensors["empty"] = torch.zeros(0, 3)
+    path = tmp_path / "w.safetensors"
+    n = WS.write_tensors(path, tensors.items(), threads=3, in_flight_bytes=40_000)  # several tensors in flight
+    data = path.read_bytes()
+    assert n == len(data)
+    back = load_file(str(path))
+    for name, v in tensors.items():
+        assert torch.equal(back[name], v() if isinstance(v, WS.Lazy) else v), name
+    with monkeypatch.context() as m:
+        _no_reads(m)
+        got = file_hash.hashes(path)
+    assert got == {"sha256": hashlib.sha256(data).hexdigest(), "chunk_bytes": small_chunks,
+                   "chunks_sha256": _chunk_shas(data, small_chunks)}
+    with open(path, "r+b") as f:  # one byte changed: the digests made at write time no longer apply
+        f.seek(len(data) // 2)
+        f.write(bytes([data[len(data) // 2] ^ 1]))
+    bad = path.read_bytes()
+    assert file_hash.hashes(path)["sha256"] == hashlib.sha256(bad).hexdigest() != got["sha256"]
+    assert file_hash.chunks_match(path, got) is False
+
+
+def test_model_hash_is_parallel_chunks_memoised_by_stat_and_follows_every_byte(tmp_path, small_chunks, monkeypatch):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    blob = os.urandom(5 * small_chunks + 123)
+    w = d / "model.safetensors"
+    w.write_bytes(blob)
+    h1 = cache.model_dir_hash(d)
+    other = tmp_path / "other"  # same names, other weights: never the same key
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    assert cache.model_dir_hash(other) != h1
+    with monkeypatch.context() as m:  # memoised: nothing is read for an unchanged file
+        _no_reads(m)
+        assert cache.model_dir_hash(d) == h1
+        assert cache.needs_hashing(d) == 0
+    st = w.stat()
+    with open(w, "r+b") as f:  # a byte changed and the old mtime put back: ctime still says it changed
+        f.seek(3 * small_chunks + 7)
+        f.write(bytes([blob[3 * small_chunks + 7] ^ 0x80]))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.needs_hashing(d) == w.stat().st_size
+    assert cache.model_dir_hash(d) != h1
+    w.write_bytes(blob)  # the original bytes again: the original key
+    assert cache.model_dir_hash(d) == h1
+    # the digest is hashlib's over the chunks, independent of the pool's order
+    tree = hashlib.sha256(f"{small_chunks}:".encode() + "".join(_chunk_shas(blob, small_chunks)).encode()).hexdigest()
+    assert file_hash.content_digests([w, d / "config.json"]) == [
+        "chunks:" + tree, hashlib.sha256((d / "config.json").read_bytes()).hexdigest()]
+
+
+def _compile(model: Path, out: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, target: str) -> dict:
+    import portlayer
+
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        m.setenv("PORTLAYER_CACHE", str(out.parent / f"cache-{out.name}"))
+        art = portlayer.compile(model, target=target, output=out, progress=False).path
+    return json.loads((art / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("target", ["cpu-x86_64", "nvidia-h200"])
+def test_concurrent_reference_gives_the_serial_artifact(tiny_dirs, tmp_path, monkeypatch, target):
+    """Reference beside codegen + write vs before them: every file's bytes equal, manifests equal but timings."""
+    from portlayer.build import SERIAL_REFERENCE_ENV
+
+    model = tiny_dirs["tiny-llama"]
+    serial = _compile(model, tmp_path / "serial", {SERIAL_REFERENCE_ENV: "1"}, monkeypatch, target)
+    overlap = _compile(model, tmp_path / "overlap", {SERIAL_REFERENCE_ENV: "0"}, monkeypatch, target)
+    assert "reference_wait" in overlap["timings_s"] and "reference_wait" not in serial["timings_s"]
+    a = load_file(str(tmp_path / "serial" / "validation.safetensors"))
+    b = load_file(str(tmp_path / "overlap" / "validation.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for m in (serial, overlap):
+        for k in ("timings_s", "created_unix"):
+            m.pop(k)
+        m.get("binaries", {}).pop("compile_s", None)
+        for h in m["stages"]["history"]:
+            h["summary"].pop("seconds", None)  # each pass's own timing
+    assert serial == overlap  # includes every file's sha256 (weights, graph, sources, validation set)
+
+
+def test_lockstep_reference_is_the_per_step_reference_bit_for_bit(captured):
+    """compute_reference runs every step node by node side by side (one float32 cast per weight);
+    each output equals run_case on the per-step reference interpreter, for every tiny architecture
+    and for bf16 weights (a lazy cast on a lazy cast)."""
+    from portlayer.runtime import validation as V
+
+    graphs = dict(captured)
+    g = captured["tiny-llama"].copy()
+    g.weights = WS.cast_view(g.weights, torch.bfloat16)
+    graphs["tiny-llama-bf16"] = g
+    for name, graph in graphs.items():
+        got = V.compute_reference(graph, 16, seed=3)
+        want = V.build_cases(graph, seed=3)
+        ref = V._Reference(graph)
+        assert [c.name for c in got] == [c.name for c in want]
+        for gc, wc in zip(got, want):
+            outs = V.run_case(ref, graph, wc, 16)
+            assert len(gc.steps) == len(outs)
+            for i, (s, o) in enumerate(zip(gc.steps, outs)):
+                assert len(s.outputs) == len(o) > 0, (name, gc.name, i)
+                for a, b in zip(s.outputs, o):
+                    assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, gc.name, i)
