@@ -10,7 +10,9 @@ latency (ITL: gaps between a request's successive chunks; one chunk carries one 
 
 ``--offline`` runs the same workload through ``LLMEngine`` in this process (no HTTP);
 ``--compare`` runs offline first (in a fresh process, so its GPU memory is gone before the server
-starts), then HTTP, and prints HTTP/offline output tokens/s. Bounded:
+starts), then HTTP, and prints HTTP/offline output tokens/s. ``--engine-core`` picks where the
+server steps the engine (``process``, the default here: the engine-core process; ``thread``; or
+``process,thread`` for one HTTP run of each, in that order). Bounded:
 ``--time-limit`` seconds per phase, then outstanding requests are cancelled (``complete: false``).
 
     PYTHONPATH=. python benchmarks/bench_server.py ART --compare --json docs/gpu-results/bench_server_h200.json
@@ -129,14 +131,14 @@ def warm(eng: Any) -> None:
 
 
 # ---- HTTP: a server subprocess, httpx clients ----------------------------------------------------
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, core: str) -> subprocess.Popen:
     import portlayer
 
     src_root = str(Path(portlayer.__file__).resolve().parent.parent)  # the bootstrap layout, or the install
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src_root, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "portlayer.cli", "serve", args.artifact, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "bench", "--no-prefix-caching", "--log-level", "warning", "--device", args.device,
-           "--max-queue-len", str(max(1024, args.num_seqs))]  # fmt: skip
+           "--max-queue-len", str(max(1024, args.num_seqs)), "--engine-core", core]  # fmt: skip
     cmd += args.server_arg
     for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--max-batched-tokens", args.max_batched_tokens),
                     ("--kv-cache-budget-gib", args.kv_cache_budget_gib)):  # fmt: skip
@@ -191,7 +193,8 @@ async def one_request(c: Any, prompt: list[int], max_tokens: int, rec: dict[str,
                 rec["error"] = ch["error"].get("message")
 
 
-async def run_clients(url: str, args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+async def run_clients(url: str, args: argparse.Namespace, reqs: list[tuple[list[int], int]],
+                      mode: str = "http") -> dict[str, Any]:  # fmt: skip
     import httpx
 
     recs = [{"tokens": 0, "gaps": []} for _ in reqs]
@@ -212,7 +215,7 @@ async def run_clients(url: str, args: argparse.Namespace, reqs: list[tuple[list[
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         dt = time.perf_counter() - t0
-    result = summarize("http", recs, dt, len(reqs))
+    result = summarize(mode, recs, dt, len(reqs))
     errors = [r["error"] for r in recs if "error" in r]
     mismatch = sum(1 for r in recs if r.get("done") and r.get("usage_tokens") != r["tokens"])
     result.update(clients=clients, requests_per_client=per_client, errors=len(errors), first_error=errors[:1],
@@ -220,15 +223,17 @@ async def run_clients(url: str, args: argparse.Namespace, reqs: list[tuple[list[
     return result
 
 
-def run_http(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_http(args: argparse.Namespace, reqs: list[tuple[list[int], int]], core: str) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", args.port))
         port = s.getsockname()[1]
-    proc = start_server(args, port)
+    proc = start_server(args, port, core)
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(wait_ready(url, proc, args.startup_timeout))
-        return asyncio.run(run_clients(url, args, reqs))
+        result = asyncio.run(run_clients(url, args, reqs, f"http-{core}"))
+        result["engine_core"] = core
+        return result
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -264,11 +269,11 @@ def vocab_of(spec: str) -> int:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = (f"{'mode':<8} {'done':>9} {'out tok':>9} {'s':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} "
+    head = (f"{'mode':<12} {'done':>9} {'out tok':>9} {'s':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")  # fmt: skip
     rows = [head]
     for r in results:
-        rows.append(f"{r['mode']:<8} {r['completed']:>4}/{r['requests']:<4} {r['output_tokens']:>9} {r['seconds']:>8.2f} "
+        rows.append(f"{r['mode']:<12} {r['completed']:>4}/{r['requests']:<4} {r['output_tokens']:>9} {r['seconds']:>8.2f} "
                     f"{r['requests_s']:>8.2f} {r['output_tok_s']:>10.1f} {r['ttft']['p50_ms'] or 0:>9.1f} "
                     f"{r['ttft']['p99_ms'] or 0:>9.1f} {r['itl']['p50_ms'] or 0:>8.2f} {r['itl']['p99_ms'] or 0:>8.2f}")  # fmt: skip
     return "\n".join(rows)
@@ -292,11 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-budget-gib", type=float, default=None)
+    p.add_argument("--engine-core", default="process",
+                   help="`portlayer serve --engine-core` of the HTTP run(s): process (default), thread, auto, or a "
+                        "comma list such as process,thread (one HTTP run each, in order)")  # fmt: skip
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra `portlayer serve` argument, e.g. --server-arg=--switch-interval-ms=5 (repeatable)")
     p.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "docs" / "gpu-results" / "bench_server.json"),
                    help="write the results here (default docs/gpu-results/bench_server.json)")  # fmt: skip
     args = p.parse_args(argv)
+    cores = [c.strip() for c in args.engine_core.split(",") if c.strip()]
+    bad = [c for c in cores if c not in ("process", "thread", "auto")]
+    if bad or not cores:
+        p.error(f"--engine-core {args.engine_core!r}: give process, thread, auto or a comma list of them")
 
     reqs = workload(vocab_of(args.artifact), args.num_seqs, args.min_len, args.max_len, args.seed)
     print(f"[bench] {len(reqs)} requests, {sum(len(r[0]) for r in reqs)} prompt tokens, "
@@ -309,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print(f"[bench] offline: {results[-1]['output_tok_s']} out tok/s", file=sys.stderr)
     if not args.offline:
-        results.append(run_http(args, reqs))
-        print(f"[bench] http: {results[-1]['output_tok_s']} out tok/s", file=sys.stderr)
+        for core in cores:
+            print(f"[bench] http, engine core: {core}", file=sys.stderr)
+            results.append(run_http(args, reqs, core))
+            print(f"[bench] http (engine core {core}): {results[-1]['output_tok_s']} out tok/s", file=sys.stderr)
     import torch
 
     doc: dict[str, Any] = {
@@ -321,10 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "results": results,
     }  # fmt: skip
     if args.compare:
-        doc["http_over_offline"] = round(results[1]["output_tok_s"] / max(results[0]["output_tok_s"], 1e-9), 4)
+        base = max(results[0]["output_tok_s"], 1e-9)
+        doc["http_over_offline"] = round(results[1]["output_tok_s"] / base, 4)  # the first HTTP run's engine core
+        doc["http_over_offline_by_core"] = {r["engine_core"]: round(r["output_tok_s"] / base, 4) for r in results[1:]}
     print(table(results))
-    if "http_over_offline" in doc:
-        print(f"HTTP / offline output tok/s: {doc['http_over_offline']:.3f}")
+    for core, ratio in doc.get("http_over_offline_by_core", {}).items():
+        print(f"HTTP (engine core {core}) / offline output tok/s: {ratio:.3f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"[bench] wrote {args.json}", file=sys.stderr)

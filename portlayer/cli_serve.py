@@ -36,13 +36,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--switch-interval-ms", type=float, default=1.0,
                    help="Python's GIL switch interval in this process (default 1 ms; Python's own is 5): the engine "
                         "thread waits at most this long for the GIL while the event loop streams")  # fmt: skip
+    s.add_argument("--engine-core", choices=["auto", "process", "thread"], default="auto",
+                   help="where the engine steps: 'process' (its own process, spawned; the HTTP side keeps its own "
+                        "GIL), 'thread' (a thread of the server process), 'auto' (default): process where the "
+                        "backend launches asynchronously (GPUs), thread elsewhere")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=run_serve)
 
 
-def open_engine(args: argparse.Namespace):
-    from portlayer.runtime.engine import LLMEngine
-
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLMEngine.open`` keyword arguments from the flags (plain values: they also cross to the engine process)."""
     kw = {"device": args.device, "enable_prefix_caching": not args.no_prefix_caching, "seed": args.seed}
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
@@ -50,24 +53,46 @@ def open_engine(args: argparse.Namespace):
         kw["max_batched_tokens"] = args.max_batched_tokens
     if args.kv_cache_budget_gib:
         kw["kv_cache_budget_bytes"] = int(args.kv_cache_budget_gib * 2**30)
-    return LLMEngine.open(args.artifact, **kw)
+    return kw
+
+
+def open_engine(args: argparse.Namespace):
+    from portlayer.runtime.engine import LLMEngine
+
+    return LLMEngine.open(args.artifact, **engine_kwargs(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from portlayer.runtime.parallel.group import launched_by_torchrun
     from portlayer.runtime.serve import build_app, serve_forever
+    from portlayer.runtime.serve.process_engine import ProcessEngine, default_engine_core
     from portlayer.runtime.serve.server import bind
 
     bind(args.host, args.port).close()  # a busy port fails now, before minutes of loading
     if args.switch_interval_ms > 0:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     os.environ.setdefault("PORTLAYER_TP_EXIT_ON_FAILURE", "1")  # a dead tensor-parallel rank stops the server
-    engine = open_engine(args)
-    names = args.served_model_name or [args.artifact]
-    api_key = args.api_key or os.environ.get("PORTLAYER_API_KEY") or None
-    app = build_app(engine, names, api_key=api_key, max_queue_len=args.max_queue_len, root=str(args.artifact))
-    c = engine.config
-    print(f"[portlayer] serving {names[0]!r} ({c.task}, max_model_len {c.max_model_len}, max_num_seqs "
-          f"{c.max_num_seqs}, {c.num_blocks} KV blocks of {c.block_size}) on http://{args.host}:{args.port}/v1"
-          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)  # fmt: skip
-    serve_forever(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    mode = args.engine_core if args.engine_core != "auto" else default_engine_core(args.artifact, args.device)
+    if launched_by_torchrun() and os.environ.get("RANK") != "0":
+        mode = "thread"  # a torchrun worker rank serves steps, not HTTP: its engine call returns only at the end
+    if mode == "process":
+        print(f"[portlayer] loading {args.artifact} in the engine process (--engine-core process)", file=sys.stderr,
+              flush=True)  # fmt: skip
+    core = ProcessEngine(str(args.artifact), engine_kwargs(args), max_queue_len=args.max_queue_len) \
+        if mode == "process" else None  # fmt: skip
+    try:
+        engine = core if core is not None else open_engine(args)
+        names = args.served_model_name or [args.artifact]
+        api_key = args.api_key or os.environ.get("PORTLAYER_API_KEY") or None
+        app = build_app(engine, names, api_key=api_key, max_queue_len=args.max_queue_len, root=str(args.artifact))
+        c = core.view.config if core is not None else engine.config
+        where = f"engine process {core.proc.pid}" if core is not None else "engine thread"
+        print(f"[portlayer] serving {names[0]!r} ({c.task}, max_model_len {c.max_model_len}, max_num_seqs "
+              f"{c.max_num_seqs}, {c.num_blocks} KV blocks of {c.block_size}; {where}) on "
+              f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        serve_forever(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    finally:
+        if core is not None:
+            core.close()
     return 0

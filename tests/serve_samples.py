@@ -60,3 +60,21 @@ def client(server: Any, api_key: str = "unused", **kw: Any) -> Any:
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+
+@contextlib.contextmanager
+def process_serving(art: Any, names: tuple[str, ...] = ("tiny",), engine_kwargs: dict | None = None,
+                    **kw: Any) -> Iterator[Any]:  # fmt: skip
+    """``serving`` with the engine in its own process (``ProcessEngine``); the child must be gone afterwards."""
+    from portlayer.runtime.serve import ServerThread, build_app
+    from portlayer.runtime.serve.process_engine import ProcessEngine
+
+    core = ProcessEngine(str(art), dict(engine_kwargs or {"max_num_seqs": 16}), torch_threads=1,
+                         max_queue_len=kw.pop("max_queue_len", 1024))  # fmt: skip
+    try:
+        with ServerThread(build_app(core, list(names), **kw)) as server:
+            server.core = core
+            yield server
+    finally:
+        core.close()
+    assert core.proc.poll() is not None, f"engine process {core.proc.pid} outlived its server"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,11 +41,24 @@ def test_busy_port_is_a_clear_error(art, capsys):
     assert f"127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err
 
 
+def test_bad_artifact_in_process_mode_is_a_clear_error(art, tmp_path, capfd):
+    bad = tmp_path / "bad"
+    shutil.copytree(art, bad)
+    (bad / "weights.safetensors").write_bytes(b"\0" * 64)  # damaged: its sha256 no longer matches the manifest
+    assert main(["serve", str(bad), "--port", str(free_port()), "--engine-core", "process"]) == 2
+    err = capfd.readouterr().err
+    assert "weights.safetensors" in err and "Traceback" not in err, err[-2000:]
+
+
 def test_serve_subprocess_streams_and_drains_on_sigterm(art):
+    """In process mode (the GPU default): uvicorn's drain, then the engine process stops with the server.
+    Thread mode's shutdown (the CPU default) runs at the end of every in-process server of the other tests."""
+    core = "process"
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "portlayer.cli", "serve", art, "--port", str(port), "--api-key", "k",
-           "--served-model-name", "tiny", "--shutdown-timeout", "30", "--log-level", "warning"]  # fmt: skip
+           "--served-model-name", "tiny", "--shutdown-timeout", "30", "--log-level", "warning",
+           "--engine-core", core]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -77,6 +92,10 @@ def test_serve_subprocess_streams_and_drains_on_sigterm(art):
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         err = proc.stderr.read()
         assert "Traceback" not in err and "serving 'tiny'" in err
+        if core == "process":  # the engine process went with the server: no orphan
+            pid = int(re.search(r"engine process (\d+)", err).group(1))
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
     finally:

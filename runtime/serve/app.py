@@ -129,13 +129,21 @@ def _render_chat(state: ServeState, body: ChatCompletionRequest) -> list[int]:
 
 def build_app(llm: Any, model_names: list[str], *, api_key: str | None = None, max_queue_len: int = 1024,
               root: str = "") -> FastAPI:  # fmt: skip
-    """The app serving ``llm`` (an LLMEngine) under ``model_names``; the engine loop runs with the app."""
+    """The app serving ``llm`` under ``model_names``; the engine loop runs with the app.
+
+    ``llm`` is an ``LLMEngine`` (stepped on a thread of this process, ``AsyncEngine``) or a
+    started ``ProcessEngine`` (the engine-core process; its own ``max_queue_len`` applies)."""
+    from portlayer.runtime.serve.process_engine import ProcessEngine
+
     holder: dict[str, ServeState] = {}
+    core = llm if isinstance(llm, ProcessEngine) else None
+    if core is not None:
+        llm = core.view
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = AsyncEngine(llm, max_queue_len=max_queue_len)
-        metrics = ServeMetrics(llm, engine)
+        engine = core if core is not None else AsyncEngine(llm, max_queue_len=max_queue_len)
+        metrics = ServeMetrics(engine)
         engine.step_observer = metrics.observe_step
         state = ServeState(llm, engine, metrics, list(model_names), api_key, root)
         holder["state"] = app.state.portlayer = state

@@ -124,6 +124,12 @@ class AsyncEngine:
         if live and not self._stopping:
             self._cmds.put((self._abort_all, (live,), None))
 
+    def engine_stats(self) -> dict[str, Any]:
+        """Scheduler and KV numbers for /metrics (read from the event loop; plain list lengths)."""
+        from portlayer.runtime.serve.core_process import engine_stats
+
+        return engine_stats(self.engine)
+
     async def embed(self, token_lists: list[list[int]]) -> torch.Tensor:
         return await self._call(self.engine.embed, token_lists)
 

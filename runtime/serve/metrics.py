@@ -24,7 +24,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 class ServeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: Any, async_engine: Any) -> None:
+    def __init__(self, async_engine: Any) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("portlayer:http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)  # fmt: skip
@@ -40,18 +40,22 @@ class ServeMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("portlayer:e2e_request_latency_seconds", "Request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        bm, sched = engine.block_manager, engine.scheduler
+        stats = async_engine.engine_stats  # the engine's numbers, read where the engine runs (thread or process)
         Gauge("portlayer:num_requests_running", "Sequences the scheduler is running",
-              registry=r).set_function(lambda: len(sched.running))  # fmt: skip
+              registry=r).set_function(lambda: stats()["running"])  # fmt: skip
         Gauge("portlayer:num_requests_waiting", "Sequences waiting for admission",
-              registry=r).set_function(lambda: len(sched.waiting))  # fmt: skip
+              registry=r).set_function(lambda: stats()["waiting"])  # fmt: skip
         Gauge("portlayer:num_requests_in_flight", "Engine requests the server holds (running, waiting, queued)",
               registry=r).set_function(lambda: async_engine.num_in_flight)  # fmt: skip
         Gauge("portlayer:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)",
-              registry=r).set_function(lambda: 1.0 - bm.num_free_blocks / max(bm.num_blocks, 1))  # fmt: skip
+              registry=r).set_function(lambda: _usage(stats()))  # fmt: skip
 
     def observe_step(self, seconds: float, num_outputs: int) -> None:
         self.step_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _usage(stats: dict[str, Any]) -> float:
+    return 1.0 - stats["free_blocks"] / max(stats["num_blocks"], 1)
