@@ -55,7 +55,42 @@ class StepItem:
     time: float  # perf_counter() when the step ended
 
 
-class AsyncEngine:
+class StreamDelivery:
+    """What both engine cores (this thread, runtime/serve/process_engine.py's process) do on the event loop:
+    hand each request's step items to its ``asyncio.Queue``, or fail every queue. Subclasses set
+    ``self._loop`` and ``self._queues``."""
+
+    _loop: asyncio.AbstractEventLoop | None
+    _queues: dict[str, asyncio.Queue]
+
+    def _to_loop(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _deliver(self, items: list[StepItem]) -> None:
+        """On the event loop: each request's new tokens onto its queue."""
+        for it in items:
+            rid = it.output.request_id
+            q = self._queues.get(rid)
+            if q is None:
+                continue  # aborted while the step ran
+            if it.output.finished:
+                del self._queues[rid]
+            q.put_nowait(it)
+
+    def _fail_queues(self, err: EngineFailed) -> None:
+        """On the event loop: every request in flight ends with ``err``."""
+        rids = list(self._queues)
+        if rids:
+            log.error("%s; failing %d requests", err, len(rids))
+        for rid in rids:
+            self._queues.pop(rid).put_nowait(err)
+
+
+class AsyncEngine(StreamDelivery):
     def __init__(self, engine: Any, max_queue_len: int = 1024, step_observer: Any = None) -> None:
         self.engine = engine
         if type(engine.sampler) is not LogprobSampler:  # same token choices, plus logprobs on request
@@ -179,30 +214,9 @@ class AsyncEngine:
             if items:
                 self._to_loop(self._deliver, items)
 
-    def _to_loop(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is gone
-            pass
-
-    def _deliver(self, items: list[StepItem]) -> None:
-        """On the event loop: each request's new tokens onto its queue."""
-        for it in items:
-            rid = it.output.request_id
-            q = self._queues.get(rid)
-            if q is None:
-                continue  # aborted while the step ran
-            if it.output.finished:
-                del self._queues[rid]
-            q.put_nowait(it)
-
     def _fail_all(self, e: BaseException) -> None:
         """On the event loop: every request in flight when a step raised ends with that error."""
-        rids = list(self._queues)
-        log.error("engine step failed; aborting %d requests", len(rids))
-        for rid in rids:
-            self._queues.pop(rid).put_nowait(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
+        self._fail_queues(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
 
     def _add_all(self, rids: list[str], subs: Sequence[Submission]) -> None:
         try:

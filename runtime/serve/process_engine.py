@@ -37,7 +37,13 @@ from typing import Any
 from portlayer.errors import PortlayerError
 from portlayer.runtime.sequence import RequestOutput, RequestRejected
 from portlayer.runtime.serve import ipc
-from portlayer.runtime.serve.async_engine import EngineFailed, EngineOverloaded, StepItem, Submission
+from portlayer.runtime.serve.async_engine import (
+    EngineFailed,
+    EngineOverloaded,
+    StepItem,
+    StreamDelivery,
+    Submission,
+)
 from portlayer.runtime.serve.logprobs import TokenLogprob
 
 log = logging.getLogger("portlayer.serve")
@@ -57,7 +63,7 @@ class EngineView:
     tokenizer: Any
 
 
-class ProcessEngine:
+class ProcessEngine(StreamDelivery):
     """An ``LLMEngine`` in a spawned child process, driven like ``AsyncEngine``."""
 
     def __init__(self, spec: str, engine_kwargs: dict[str, Any], *, max_queue_len: int = 1024,
@@ -300,29 +306,8 @@ class ProcessEngine:
                 fut.set_exception(EngineFailed(why))
         self._to_loop(self._fail_all, EngineFailed(why))
 
-    def _to_loop(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is gone
-            pass
-
-    def _deliver(self, items: list[StepItem]) -> None:
-        for it in items:
-            rid = it.output.request_id
-            q = self._queues.get(rid)
-            if q is None:
-                continue  # aborted while the step ran
-            if it.output.finished:
-                del self._queues[rid]
-            q.put_nowait(it)
-
     def _fail_all(self, e: BaseException) -> None:
-        rids = list(self._queues)
-        if rids:
-            log.error("%s; failing %d requests", e, len(rids))
-        for rid in rids:
-            self._queues.pop(rid).put_nowait(EngineFailed(str(e)))
+        self._fail_queues(e if isinstance(e, EngineFailed) else EngineFailed(str(e)))
 
 
 def default_engine_core(spec: str, device: str = "cpu") -> str:
