@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,15 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[str, 
     return bindings
 
 
+def run_node(n: Any, args: list[Any], ctx: Any) -> Sequence[torch.Tensor]:
+    """One node's reference op on its arguments; a failure names the node, its op and where it came from."""
+    try:
+        return get_op(n.op).reference(args, n.attrs, ctx)
+    except Exception as e:
+        src = n.meta.get("source", "?")
+        raise RuntimeError(f"node {n.name} ({n.op}, from {src}) failed: {type(e).__name__}: {e}") from e
+
+
 def run_graph(
     graph: Graph,
     inputs: Mapping[str, torch.Tensor],
@@ -67,11 +77,7 @@ def run_graph(
     keep = set(graph.outputs) | set(graph.params)
     for i, n in enumerate(graph.nodes):
         args = [(env[x] if x in env else params[x]) if x is not None else None for x in n.inputs]
-        try:
-            outs = get_op(n.op).reference(args, n.attrs, ctx)
-        except Exception as e:
-            src = n.meta.get("source", "?")
-            raise RuntimeError(f"node {n.name} ({n.op}, from {src}) failed: {type(e).__name__}: {e}") from e
+        outs = run_node(n, args, ctx)
         for v, t in zip(n.outputs, outs):
             env[v.name] = t
         for x in n.inputs:

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from portlayer.flatten.interpret import ExecContext, bind_symbols
+from portlayer.flatten.interpret import ExecContext, bind_symbols, run_node
 from portlayer.flatten.ir import Graph
-from portlayer.flatten.ops import get_op
 
 
 def run_lockstep(graph: Graph, runs: Sequence[tuple[Mapping[str, torch.Tensor], Any, Any]],
@@ -41,15 +40,10 @@ def run_lockstep(graph: Graph, runs: Sequence[tuple[Mapping[str, torch.Tensor], 
     keep = set(graph.outputs) | set(graph.params)
     for i, n in enumerate(graph.nodes):
         read = {x: weights[x] for x in dict.fromkeys(n.inputs) if x is not None and x in graph.params}  # once for all runs
-        op = get_op(n.op)
         for env, ctx in zip(envs, ctxs):
             args = [(env[x] if x in env else read[x] if x in read else weights[x]) if x is not None else None
                     for x in n.inputs]
-            try:
-                outs = op.reference(args, n.attrs, ctx)
-            except Exception as e:
-                src = n.meta.get("source", "?")
-                raise RuntimeError(f"node {n.name} ({n.op}, from {src}) failed: {type(e).__name__}: {e}") from e
+            outs = run_node(n, args, ctx)
             for v, t in zip(n.outputs, outs):
                 env[v.name] = t
             for x in n.inputs:
