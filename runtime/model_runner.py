@@ -72,7 +72,8 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                pos = np.arange(start, end)  # a prefill chunk: its slots by numpy, not per token in Python
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             starts.append(starts[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:
