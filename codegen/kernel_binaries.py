@@ -155,6 +155,7 @@ class BinaryKernel:
         self._holders: list[Any] = [ctypes.c_uint64() if p else _SCALAR[t]() for p, t in zip(self._pointer, self.types)]
         self._holders += [ctypes.c_uint64() for _ in range(self.n_scratch)]
         self._params = (ctypes.c_void_p * len(self._holders))(*[ctypes.addressof(h) for h in self._holders])
+        self._scratch_size = int(self.rec["global_scratch_size"])
 
     def __repr__(self) -> str:
         return f"<BinaryKernel {self.name} ({self.rec['file']})>"
@@ -202,7 +203,7 @@ class BinaryKernel:
                 h.value = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
             else:
                 h.value = v.item() if isinstance(v, torch.Tensor) else v
-        if int(self.rec["global_scratch_size"]):
+        if self._scratch_size:
             self._holders[len(values)].value = self._scratch_ptr(programs)
 
     def pack(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> list[Any]:
@@ -213,7 +214,7 @@ class BinaryKernel:
 
     def _scratch_ptr(self, programs: int) -> int:
         """Triton's global scratch for ``programs`` programs, grown on demand, aligned as the binary asks."""
-        need = int(self.rec["global_scratch_size"]) * programs + int(self.rec["global_scratch_align"])
+        need = self._scratch_size * programs + int(self.rec["global_scratch_align"])
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         align = int(self.rec["global_scratch_align"])

@@ -41,6 +41,27 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[str, 
     return bindings
 
 
+def bound_context(graph: Graph, inputs: Mapping[str, torch.Tensor], ctx: ExecContext) -> ExecContext:
+    """``ctx`` ready to run ``graph`` on ``inputs``: every input given, the symbols bound from their shapes."""
+    missing = [v.name for v in graph.inputs if v.name not in inputs]
+    if missing:
+        raise ValueError(f"missing graph inputs {missing}; the graph takes {[v.name for v in graph.inputs]}")
+    if not ctx.bindings:
+        ctx.bindings = bind_symbols(graph, inputs)
+    ctx.bindings.setdefault("num_seqs", 1 if ctx.attn_metadata is None else len(ctx.attn_metadata.seq_lens))
+    return ctx
+
+
+def last_uses(graph: Graph) -> dict[str, int]:
+    """Index of the last node reading each value: the interpreters free a value after it."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(graph.nodes):
+        for x in n.inputs:
+            if x is not None:
+                last[x] = i
+    return last
+
+
 def run_node(n: Any, args: list[Any], ctx: Any) -> Sequence[torch.Tensor]:
     """One node's reference op on its arguments; a failure names the node, its op and where it came from."""
     try:
@@ -58,22 +79,10 @@ def run_graph(
     weights: Mapping[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Execute ``graph`` on named inputs; returns the graph outputs in order."""
-    missing = [v.name for v in graph.inputs if v.name not in inputs]
-    if missing:
-        raise ValueError(f"missing graph inputs {missing}; the graph takes {[v.name for v in graph.inputs]}")
-    ctx = ctx or ExecContext()
-    if not ctx.bindings:
-        ctx.bindings = bind_symbols(graph, inputs)
-    ctx.bindings.setdefault("num_seqs", 1 if ctx.attn_metadata is None else len(ctx.attn_metadata.seq_lens))
+    ctx = bound_context(graph, inputs, ctx or ExecContext())
     params = weights if weights is not None else graph.weights  # read per node: a lazy weight lives one op
-    env: dict[str, torch.Tensor] = {}
-    for v in graph.inputs:
-        env[v.name] = inputs[v.name]
-    last_use: dict[str, int] = {}
-    for i, n in enumerate(graph.nodes):
-        for x in n.inputs:
-            if x is not None:
-                last_use[x] = i
+    env: dict[str, torch.Tensor] = {v.name: inputs[v.name] for v in graph.inputs}
+    last_use = last_uses(graph)
     keep = set(graph.outputs) | set(graph.params)
     for i, n in enumerate(graph.nodes):
         args = [(env[x] if x in env else params[x]) if x is not None else None for x in n.inputs]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from portlayer.flatten.interpret import ExecContext, bind_symbols, run_node
+from portlayer.flatten.interpret import ExecContext, bound_context, last_uses, run_node
 from portlayer.flatten.ir import Graph
 
 
@@ -25,18 +25,9 @@ def run_lockstep(graph: Graph, runs: Sequence[tuple[Mapping[str, torch.Tensor], 
     """Outputs of ``graph`` for each ``(feeds, attn_metadata, kv_caches)`` run, as ``run_graph`` gives them."""
     ctxs, envs = [], []
     for feeds, md, caches in runs:
-        missing = [v.name for v in graph.inputs if v.name not in feeds]
-        if missing:
-            raise ValueError(f"missing graph inputs {missing}; the graph takes {[v.name for v in graph.inputs]}")
-        ctx = ExecContext(bindings=bind_symbols(graph, feeds), attn_metadata=md, kv_cache=caches, device=device)
-        ctx.bindings.setdefault("num_seqs", 1 if md is None else len(md.seq_lens))
-        ctxs.append(ctx)
+        ctxs.append(bound_context(graph, feeds, ExecContext(attn_metadata=md, kv_cache=caches, device=device)))
         envs.append({v.name: feeds[v.name] for v in graph.inputs})
-    last_use: dict[str, int] = {}
-    for i, n in enumerate(graph.nodes):
-        for x in n.inputs:
-            if x is not None:
-                last_use[x] = i
+    last_use = last_uses(graph)
     keep = set(graph.outputs) | set(graph.params)
     for i, n in enumerate(graph.nodes):
         read = {x: weights[x] for x in dict.fromkeys(n.inputs) if x is not None and x in graph.params}  # once for all runs

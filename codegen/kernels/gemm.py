@@ -67,13 +67,11 @@ def accepts_gemm(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     if not epi:
         return True, ""
     members = {n.name for n in nodes}
-    shape = [normalize_dim(d) for d in lin.outputs[0].type.shape]
     produced = {v.name for n in nodes for v in n.outputs}
+    why = epilogue_shape_refusal(epi, lin.outputs[0].type.shape)
+    if why:
+        return False, why
     for n in epi:
-        if get_op(n.op).kind != "pointwise":
-            return False, f"{n.op} cannot be a GEMM epilogue (pointwise only)"
-        if [normalize_dim(d) for d in n.outputs[0].type.shape] != shape:
-            return False, f"epilogue {n.name} does not iterate over the GEMM output {shape}"
         for i in n.inputs:
             if i is None or i in produced or i in query.graph.params:
                 continue
@@ -90,6 +88,18 @@ def accepts_gemm(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     except Unsupported as e:
         return False, f"the epilogue cannot be generated: {e}"
     return True, ""
+
+
+def epilogue_shape_refusal(epi: list[Node], out_shape: Any) -> str:
+    """Why ``epi`` cannot run in a GEMM's epilogue over an output of ``out_shape`` ('' when it can): every
+    node pointwise and iterating over that output."""
+    shape = [normalize_dim(d) for d in out_shape]
+    for n in epi:
+        if get_op(n.op).kind != "pointwise":
+            return f"{n.op} cannot be a GEMM epilogue (pointwise only)"
+        if [normalize_dim(d) for d in n.outputs[0].type.shape] != shape:
+            return f"epilogue {n.name} does not iterate over the GEMM output {shape}"
+    return ""
 
 
 def gemm_scratch(group: KernelGroup) -> list[str]:

@@ -19,8 +19,7 @@ from portlayer.codegen.kernels.gemv_fused import joint_gemv, norm_prologue, sibl
 from portlayer.codegen.kernels.reduction import build_reduction, split_row_norm
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import FLOAT_DTYPES
-from portlayer.flatten.ir import Node, normalize_dim
-from portlayer.flatten.ops import get_op
+from portlayer.flatten.ir import Node
 
 
 @dataclass
@@ -79,13 +78,11 @@ def _accepts_joint(query: GroupQuery, parts: GemmParts, members: set[str]) -> tu
             return False, f"{n.name} has {query.types[n.inputs[1]].shape[0]} outputs, not {n0}: a joint epilogue combines equal shapes"
         if query.used_outside(n.outputs[0].name, members):
             return False, f"{n.outputs[0].name} is read outside the kernel, which stores only the epilogue's value"
-    shape = [normalize_dim(d) for d in lins[0].outputs[0].type.shape]
     produced = {v.name for n in parts.core for v in n.outputs}
+    why = gemm.epilogue_shape_refusal(epi, lins[0].outputs[0].type.shape)
+    if why:
+        return False, why
     for n in epi:
-        if get_op(n.op).kind != "pointwise":
-            return False, f"{n.op} cannot be a GEMM epilogue (pointwise only)"
-        if [normalize_dim(d) for d in n.outputs[0].type.shape] != shape:
-            return False, f"epilogue {n.name} does not iterate over the GEMM output {shape}"
         for i in n.inputs:
             if i is not None and i not in produced and i not in query.graph.params:
                 return False, f"epilogue operand {i} of sibling linears is not a parameter or one of their outputs"

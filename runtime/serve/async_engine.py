@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,29 @@ class StreamDelivery:
 
     _loop: asyncio.AbstractEventLoop | None
     _queues: dict[str, asyncio.Queue]
+    _ids: Iterator[int]
+    max_in_flight: int
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def _admit(self, subs: Sequence[Submission], queue: asyncio.Queue,
+                     add: Callable[[list[str]], Awaitable[Any]]) -> list[str]:
+        """Name ``subs``, register their queue, and ``add`` them to the engine: all or none."""
+        if len(self._queues) + len(subs) > self.max_in_flight:
+            raise EngineOverloaded(f"{len(self._queues)} requests in flight; this server admits {self.max_in_flight} "
+                                   "(--max-num-seqs + --max-queue-len); retry later")  # fmt: skip
+        rids = [f"req-{next(self._ids)}" for _ in subs]
+        for rid in rids:  # registered before the add, so no step's output can be missed
+            self._queues[rid] = queue
+        try:
+            await add(rids)
+        except BaseException:
+            for rid in rids:
+                self._queues.pop(rid, None)
+            raise
+        return rids
 
     def _to_loop(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -129,29 +152,13 @@ class AsyncEngine(StreamDelivery):
         await asyncio.to_thread(self._thread.join)
 
     # ---- requests ------------------------------------------------------------------
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     async def submit(self, subs: Sequence[Submission], queue: asyncio.Queue) -> list[str]:
         """Queue these engine requests (all or none); their StepItems arrive on ``queue``.
 
         Raises EngineOverloaded, or RequestRejected / ValueError from the engine (nothing queued)."""
         if self._stopping or not self.alive:
             raise EngineFailed("the engine loop is not running")
-        if len(self._queues) + len(subs) > self.max_in_flight:
-            raise EngineOverloaded(f"{len(self._queues)} requests in flight; this server admits {self.max_in_flight} "
-                                   "(--max-num-seqs + --max-queue-len); retry later")  # fmt: skip
-        rids = [f"req-{next(self._ids)}" for _ in subs]
-        for rid in rids:  # registered before the add, so no step's output can be missed
-            self._queues[rid] = queue
-        try:
-            await self._call(self._add_all, rids, subs)
-        except BaseException:
-            for rid in rids:
-                self._queues.pop(rid, None)
-            raise
-        return rids
+        return await self._admit(subs, queue, lambda rids: self._call(self._add_all, rids, subs))
 
     def abort(self, rids: Sequence[str]) -> None:
         """Stop these requests (a client went away, or a stop string matched); frees their KV blocks."""

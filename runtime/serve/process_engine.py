@@ -39,7 +39,6 @@ from portlayer.runtime.sequence import RequestOutput, RequestRejected
 from portlayer.runtime.serve import ipc
 from portlayer.runtime.serve.async_engine import (
     EngineFailed,
-    EngineOverloaded,
     StepItem,
     StreamDelivery,
     Submission,
@@ -193,10 +192,6 @@ class ProcessEngine(StreamDelivery):
         atexit.unregister(self.close)
 
     # ---- requests ---------------------------------------------------------------------
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     def engine_stats(self) -> dict[str, Any]:
         """The child's latest stats (sent with every step, and after commands when idle)."""
         return self._stats
@@ -204,21 +199,12 @@ class ProcessEngine(StreamDelivery):
     async def submit(self, subs: Sequence[Submission], queue: asyncio.Queue) -> list[str]:
         if not self.alive:
             raise EngineFailed(self._why_dead())
-        if len(self._queues) + len(subs) > self.max_in_flight:
-            raise EngineOverloaded(f"{len(self._queues)} requests in flight; this server admits {self.max_in_flight} "
-                                   "(--max-num-seqs + --max-queue-len); retry later")  # fmt: skip
-        rids = [f"req-{next(self._ids)}" for _ in subs]
-        for rid in rids:
-            self._queues[rid] = queue
-        reqs = [{"rid": rid, "prompt": [int(t) for t in s.prompt_token_ids], "params": _params(s.params),
-                 "logprobs": s.logprobs} for rid, s in zip(rids, subs)]  # fmt: skip
-        try:
-            await self._call("add", reqs=reqs)
-        except BaseException:
-            for rid in rids:
-                self._queues.pop(rid, None)
-            raise
-        return rids
+        def add(rids: list[str]) -> Any:
+            return self._call("add", reqs=[{"rid": rid, "prompt": [int(t) for t in s.prompt_token_ids],
+                                            "params": _params(s.params), "logprobs": s.logprobs}
+                                           for rid, s in zip(rids, subs)])
+
+        return await self._admit(subs, queue, add)
 
     def abort(self, rids: Sequence[str]) -> None:
         live = [r for r in rids if self._queues.pop(r, None) is not None]
