@@ -36,6 +36,28 @@ def srv(art):
             yield s
 
 
+def disconnect_mid_stream(url: str, ps: list[list[int]]) -> list[int]:
+    """Stream each prompt (400 tokens asked, EOS ignored) from its own client, which leaves after 3 chunks;
+    the number of chunks each one read."""
+
+    async def walk_away(c: openai.AsyncOpenAI, prompt: list[int]) -> int:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+        got = 0
+        async for _chunk in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()
+        return got
+
+    async def main() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            return await asyncio.wait_for(asyncio.gather(*(walk_away(c, p) for p in ps)), timeout=120)
+
+    return asyncio.run(main())
+
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
@@ -97,23 +119,9 @@ def test_disconnecting_clients_free_the_kv_cache(srv):
     ps = prompts(16, seed=1)
     eng, bm = srv.llm, srv.llm.block_manager
 
-    async def walk_away(c: openai.AsyncOpenAI, prompt: list[int]) -> int:
-        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
-        got = 0
-        async for _chunk in stream:
-            got += 1
-            if got == 3:
-                break
-        await stream.close()
-        return got
-
-    async def main() -> list[int]:
-        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-            return await asyncio.wait_for(asyncio.gather(*(walk_away(c, p) for p in ps)), timeout=120)
 
     steps_before = eng.num_steps
-    assert asyncio.run(main()) == [3] * 16
+    assert disconnect_mid_stream(srv.url, ps) == [3] * 16
     deadline = time.monotonic() + 20
     while (eng.has_unfinished() or bm.num_free_blocks != bm.num_blocks) and time.monotonic() < deadline:
         time.sleep(0.05)
