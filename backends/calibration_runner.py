@@ -115,7 +115,7 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
     modes = set()
     gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
     paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
-             ("gemv", 0, ALWAYS_TRITON, gemv_ms))  # fmt: skip
+             ("gemv", 0, GEMV_MAX_ROWS, gemv_ms))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
         for name, gemm_rule, gemv_rule, ms in paths:
             out = Path(tmp) / name

@@ -39,9 +39,15 @@ def gemm_block_m_choices(largest: int) -> list[dict[str, int]]:
 
 
 def gemv_block_choices(max_rows: int, block_k: int, least: int = 32) -> list[dict[str, int]]:
-    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for 1..max_rows rows."""
-    pairs = sorted({gemv_blocks(r, block_k, least) for r in range(1, max(1, max_rows) + 1)})
-    return [{"BLOCK_M": bm, "BLOCK_K": bk} for bm, bk in pairs]
+    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for 1..max_rows rows: one per power of two up to
+    the first >= max_rows (gemv_blocks pads rows to a power of two), so a huge max_rows costs log2 steps."""
+    pairs, bm = set(), 1
+    while True:
+        pairs.add(gemv_blocks(bm, block_k, least))
+        if bm >= max(1, max_rows):
+            break
+        bm *= 2
+    return [{"BLOCK_M": bm, "BLOCK_K": bk} for bm, bk in sorted(pairs)]
 
 
 def gemv_blocks(rows: int, block_k: int, least: int = 32) -> tuple[int, int]:

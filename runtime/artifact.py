@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
-from portlayer.runtime.file_hash import chunks_match, hashes
+from portlayer.runtime.file_hash import bytes_match, chunks_match, hashes
 from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
@@ -262,7 +262,7 @@ def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
             problems.append(f"{rel} ({info['kind']}): {p.stat().st_size} bytes, manifest says {info['bytes']} (truncated or modified)")
         elif p.stat().st_size <= HOLD_MAX_BYTES:
             data = _read_bytes(p)
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            if not bytes_match(data, info):
                 problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
             else:
                 held[rel] = data
@@ -309,7 +309,7 @@ def read_verified_bytes(m: Manifest, rel: str) -> bytes:
     if info is None:
         raise ArtifactError(f"{m.path / rel}: not listed in {m.path / MANIFEST}; the artifact is incomplete, recompile it")
     data = _read_bytes(m.path / rel)
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+    if not bytes_match(data, info):
         raise ArtifactError(f"{m.path / rel} ({info['kind']}): changed since the artifact was verified (sha256 differs "
                             "from the manifest); reload it, or restore the file")
     return data

@@ -3,8 +3,9 @@
 A file's single sha256 is one serial pass (~1.5 GB/s): 10 s for an 8B model's weights, longer
 than the load it guards. The manifest therefore also records the sha256 of each fixed-size
 chunk of a big file; verification checks the chunks in parallel threads (hashlib releases the
-GIL), so it runs at disk or page-cache speed. The whole-file sha256 stays in the manifest for
-anyone checking the file by other means.
+GIL), so it runs at disk or page-cache speed. A big file's manifest digest is therefore the chunk
+list's (``chunk_tree``: "chunks:" + sha256), never a serial whole-file pass; check one by hand with
+``split -b 64M`` and ``sha256sum``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,32 @@ def _whole(path: Path) -> str:
     return _hash_range(path, 0, path.stat().st_size)
 
 
+def chunk_tree(chunks: list[str], chunk_bytes: int | None = None) -> str:
+    """The digest a big file is known by: "chunks:" + the sha256 of its chunk size and its chunks' sha256s.
+    Any changed byte changes it, as it would the file's own sha256, and it is computed from hashes
+    taken in parallel instead of one serial pass over the file."""
+    cb = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return "chunks:" + hashlib.sha256(f"{cb}:".encode() + "".join(chunks).encode()).hexdigest()
+
+
+def bytes_match(data: bytes, info: Mapping[str, Any]) -> bool:
+    """Whether ``data`` (a file read whole) is what manifest entry ``info`` (untrusted) names: its sha256,
+    or its chunk tree when the digest is one ("chunks:...", with a well-formed positive chunk_bytes)."""
+    digest = info.get("sha256")
+    if not isinstance(digest, str):
+        return False
+    if not digest.startswith("chunks:"):
+        return hashlib.sha256(data).hexdigest() == digest
+    cb = info.get("chunk_bytes")
+    if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0:
+        return False
+    view = memoryview(data)
+    return chunk_tree([hashlib.sha256(view[i:i + cb]).hexdigest() for i in range(0, len(data), cb)], cb) == digest
+
+
 def hashes(path: Path) -> dict[str, Any]:
-    """{"sha256": whole file, and for big files "chunk_bytes" + "chunks_sha256"}, in parallel threads.
+    """{"sha256": the whole file's} for a file under CHUNKED_MIN_BYTES; for a bigger one {"sha256":
+    chunk_tree(...), "chunk_bytes", "chunks_sha256"}, the chunks hashed in parallel threads.
 
     A file this process wrote with ``write_tensors`` (the artifact's weights) was hashed as it was
     written: those digests are used while the file is unchanged (inode, size, mtime), with no second read."""
@@ -55,14 +80,17 @@ def hashes(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     known = written_hashes(path)
     if known is not None and known["chunk_bytes"] == CHUNK_BYTES:
-        return {"sha256": known["sha256"]} if size < CHUNKED_MIN_BYTES else known
+        if size >= CHUNKED_MIN_BYTES:
+            return {"sha256": chunk_tree(known["chunks_sha256"]), "chunk_bytes": CHUNK_BYTES,
+                    "chunks_sha256": known["chunks_sha256"]}
+        if "sha256" in known:
+            return {"sha256": known["sha256"]}
     if size < CHUNKED_MIN_BYTES:
         return {"sha256": _whole(path)}
     starts = range(0, size, CHUNK_BYTES)
     with ThreadPoolExecutor(_threads()) as pool:
-        whole = pool.submit(_whole, path)  # one serial pass beside the parallel chunks
         chunks = list(pool.map(lambda s: _hash_range(path, s, min(CHUNK_BYTES, size - s)), starts))
-        return {"sha256": whole.result(), "chunk_bytes": CHUNK_BYTES, "chunks_sha256": chunks}
+    return {"sha256": chunk_tree(chunks), "chunk_bytes": CHUNK_BYTES, "chunks_sha256": chunks}
 
 
 def content_digests(paths: list[Path]) -> list[str]:
@@ -83,20 +111,23 @@ def content_digests(paths: list[Path]) -> list[str]:
         if i in small:
             out.append(small[i].result())
         else:
-            tree = hashlib.sha256(f"{CHUNK_BYTES}:".encode() + "".join(per[i]).encode()).hexdigest()
-            out.append("chunks:" + tree)
+            out.append(chunk_tree(per[i]))
     return out
 
 
 def chunks_match(path: Path, info: Mapping[str, Any]) -> bool | None:
     """True/False when ``info`` (a manifest entry, untrusted) has well-formed chunk hashes for a file of
-    this size; None when it has none (check the whole-file sha256 instead)."""
+    this size; None when it has none (check the whole-file sha256 instead). An entry whose digest is
+    the chunk tree ("chunks:...") must agree with its own chunk list, else False."""
     cb, chunks = info.get("chunk_bytes"), info.get("chunks_sha256")
     size = path.stat().st_size
     if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or not isinstance(chunks, list):
         return None
     if len(chunks) != math.ceil(size / cb) or not all(isinstance(c, str) for c in chunks) or size == 0:
         return None
+    digest = info.get("sha256")
+    if isinstance(digest, str) and digest.startswith("chunks:") and digest != chunk_tree(chunks, cb):
+        return False
     with ThreadPoolExecutor(_threads()) as pool:
         got = list(pool.map(lambda i: _hash_range(path, i * cb, min(cb, size - i * cb)), range(len(chunks))))
     return got == chunks

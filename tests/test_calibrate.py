@@ -188,3 +188,19 @@ def test_cpu_clock_ignores_time_the_process_does_not_run():
         assert host_clock()[0] is time.process_time and torch.get_num_threads() == 1
         assert measure_s(lambda: time.sleep(0.02), torch.device("cpu"), TINY, 0.05) < 0.005
     assert torch.get_num_threads() == before
+
+
+def test_gemv_block_choices_match_every_row_count_and_stay_cheap_for_huge_limits():
+    """The few-rows kernel's binaries: one per (BLOCK_M, BLOCK_K) gemv_blocks can pick. The GEMM crossover
+    asks with a limit of 2**30 rows; looping over every row count stalled `calibrate` on the H200."""
+    import time
+
+    from portlayer.codegen.host_support import gemv_block_choices, gemv_blocks
+
+    for rows in (1, 2, 3, 7, 8, 9, 33, 64, 100):
+        for bk, least in ((512, 32), (4096, 32), (256, 128)):
+            want = sorted({gemv_blocks(r, bk, least) for r in range(1, rows + 1)})
+            assert [(c["BLOCK_M"], c["BLOCK_K"]) for c in gemv_block_choices(rows, bk, least)] == want
+    t0 = time.perf_counter()
+    assert len(gemv_block_choices(1 << 30, 4096)) == 31
+    assert time.perf_counter() - t0 < 0.5

@@ -55,14 +55,43 @@ def test_hashes_made_while_writing_are_hashlibs_and_a_changed_file_is_hashed_aga
     with monkeypatch.context() as m:
         _no_reads(m)
         got = file_hash.hashes(path)
-    assert got == {"sha256": hashlib.sha256(data).hexdigest(), "chunk_bytes": small_chunks,
+    assert got == {"sha256": _tree(data, small_chunks), "chunk_bytes": small_chunks,
                    "chunks_sha256": _chunk_shas(data, small_chunks)}
     with open(path, "r+b") as f:  # one byte changed: the digests made at write time no longer apply
         f.seek(len(data) // 2)
         f.write(bytes([data[len(data) // 2] ^ 1]))
     bad = path.read_bytes()
-    assert file_hash.hashes(path)["sha256"] == hashlib.sha256(bad).hexdigest() != got["sha256"]
+    assert file_hash.hashes(path)["sha256"] == _tree(bad, small_chunks) != got["sha256"]
     assert file_hash.chunks_match(path, got) is False
+    forged = {**got, "chunks_sha256": _chunk_shas(bad, small_chunks)}  # chunks of the new bytes, old digest
+    assert file_hash.chunks_match(path, forged) is False
+
+
+def _tree(data: bytes, cb: int) -> str:
+    """A big file's manifest digest, from hashlib: sha256 of "<chunk bytes>:" + its chunks' hex digests."""
+    return "chunks:" + hashlib.sha256(f"{cb}:".encode() + "".join(_chunk_shas(data, cb)).encode()).hexdigest()
+
+
+def test_a_big_file_is_hashed_in_parallel_chunks_only_and_a_small_one_whole(tmp_path, small_chunks, monkeypatch):
+    """No serial whole-file pass over a file of WHOLE_HASH_MAX_BYTES or more (13 s of an 8B compile); a
+    smaller file keeps its plain sha256. Both as hashlib computes them from the bytes read back."""
+    monkeypatch.setattr(WS, "WHOLE_HASH_MAX_BYTES", 1 << 14)
+    g = torch.Generator().manual_seed(1)
+    for name, rows in (("big", 300), ("small", 3)):
+        tensors = {f"t{i}": torch.randn(rows, 17, generator=g) for i in range(5)}
+        path = tmp_path / f"{name}.safetensors"
+        WS.write_tensors(path, tensors.items(), threads=4, in_flight_bytes=30_000)
+        data = path.read_bytes()
+        known = WS.written_hashes(path)
+        assert known["chunks_sha256"] == _chunk_shas(data, small_chunks)
+        assert ("sha256" in known) == (len(data) < WS.WHOLE_HASH_MAX_BYTES)
+        if "sha256" in known:
+            assert known["sha256"] == hashlib.sha256(data).hexdigest()
+        with monkeypatch.context() as m:
+            _no_reads(m)
+            got = file_hash.hashes(path)
+        assert got["sha256"] == _tree(data, small_chunks)  # both over CHUNKED_MIN_BYTES (1 KiB here)
+        assert file_hash.chunks_match(path, got) is True
 
 
 def test_model_hash_is_parallel_chunks_memoised_by_stat_and_follows_every_byte(tmp_path, small_chunks, monkeypatch):

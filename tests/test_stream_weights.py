@@ -169,7 +169,7 @@ def test_big_files_are_verified_by_parallel_chunk_hashes(bf16_llama, tmp_path, m
     data = (art / A.WEIGHTS).read_bytes()
     cb = info["chunk_bytes"]
     assert info["chunks_sha256"] == [hashlib.sha256(data[i:i + cb]).hexdigest() for i in range(0, len(data), cb)]
-    assert info["sha256"] == hashlib.sha256(data).hexdigest()
+    assert info["sha256"] == "chunks:" + hashlib.sha256(f"{cb}:".encode() + "".join(info["chunks_sha256"]).encode()).hexdigest()
     assert portlayer.load(art).validate().ok
     bad = tmp_path / "bad"
     shutil.copytree(art, bad)
