@@ -96,52 +96,68 @@ def crossover(points: list[dict[str, Any]]) -> int:
     return best
 
 
-def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
-                           base: str) -> dict[str, Any]:
+def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype, k: int,
+                paths: Any, iters: int, tmp: str) -> tuple[dict[str, dict[int, float]], set[str], float]:
+    """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path,
+    the timing modes used, and the host cost of an eager one-kernel step of the Triton path (0 if not run)."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.codegen.program import write_program
 
+    graph = one_linear(k, k, dtype)
+    result = pipeline(graph, desc, overrides={"compute_dtype": str(dtype).removeprefix("torch."),
+                                              "weight_quantization": "none"})
+    times: dict[str, dict[int, float]] = {}
+    modes, host = set(), 0.0
+    for name, gemm_rule, gemv_rule, ms in paths:
+        out = Path(tmp) / f"{name}-{k}"
+        gen = generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
+                       gemv_max_tokens=gemv_rule)
+        write_program(gen, out)
+        prog = load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+        times[name] = {}
+        with torch.inference_mode():
+            for m in ms:
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                us, how = _device_us(prog, {"x": x}, dev, iters)
+                times[name][m] = us
+                modes.add(how)
+            if name == "triton":
+                host = _host_us(prog, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200)
+    return times, modes, host
+
+
+def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
+                           base: str) -> dict[str, Any]:
     desc = load_descriptor(base)
     progress.start(f"GEMM crossover (generated Triton vs vendor) M={list(sizes.gemm_ms)} K=N={sizes.gemm_k}")
     if dev.type != "cuda" or desc.codegen != "triton":
         progress.done(f"not measured: {desc.name} generates {desc.codegen!r} code; no generated GEMM to compare")
         return {}
     dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
-    graph = one_linear(sizes.gemm_k, sizes.gemm_k, dtype)
-    result = pipeline(graph, desc, overrides={"compute_dtype": str(dtype).removeprefix("torch."),
-                                              "weight_quantization": "none"})
-    times: dict[str, dict[int, float]] = {}
-    modes = set()
     gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
     paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
              ("gemv", 0, GEMV_MAX_ROWS, gemv_ms))  # fmt: skip
+    small_k = max(64, sizes.gemm_k // 8)
     with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
-        for name, gemm_rule, gemv_rule, ms in paths:
-            out = Path(tmp) / name
-            gen = generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
-                           gemv_max_tokens=gemv_rule)
-            write_program(gen, out)
-            prog = load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
-            times[name] = {}
-            with torch.inference_mode():
-                for m in ms:
-                    x = torch.randn(m, sizes.gemm_k, device=dev, dtype=dtype)
-                    us, how = _device_us(prog, {"x": x}, dev, sizes.iters)
-                    times[name][m] = us
-                    modes.add(how)
-                if name == "triton":
-                    host = _host_us(prog, {"x": torch.randn(1, sizes.gemm_k, device=dev, dtype=dtype)}, dev, 200)
+        times, modes, host = _path_times(pipeline, dev, desc, dtype, sizes.gemm_k, paths, sizes.iters, tmp)
+        # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
+        # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
+        small, _, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
+    points_small = [{"m": m, "triton_us": sig(small["triton"][m]),
+                     **({"gemv_us": sig(small["gemv"][m])} if m in small["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
     cross = crossover(points)
     gemv = crossover([{"m": p["m"], "triton_us": p["gemv_us"], "vendor_us": min(p["vendor_us"], p["triton_us"])}
                       for p in points if "gemv_us" in p])  # fmt: skip
     progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv us: "
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
+                  + f"; at K=N={small_k} triton/gemv us: "
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}" for p in points_small)
                   + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
-                               "timing": sorted(modes)},
+                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host)}
 
 

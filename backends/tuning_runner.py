@@ -2,8 +2,9 @@
 
 The candidates come from capabilities/tuning_space.py; each one regenerates the program with
 that family's config replaced (backends/generate.py's ``launch`` knob, everything else as the
-Plan says), loads it and times a decode step at ``batch`` and a prefill, as the runtime runs them
-(CUDA graphs where the Plan captures). Families are tuned one after another, each against the
+Plan says), loads it and runs a decode step at ``batch`` and a prefill, as the runtime runs them
+(CUDA graphs where the Plan captures). On CUDA what is compared is the device time of that
+family's kernels (the CUDA profiler), not the steps' wall time, which is mostly host launch cost. Families are tuned one after another, each against the
 defaults of the others; an entry keeps the default unless a candidate is faster. The result is a
 capabilities/tuning.py file the next compile's Plan reads.
 """
@@ -74,21 +75,58 @@ def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return statistics.median(out) * 1e6
 
 
+#: the kernel-name prefix of each launch family's kernels (codegen/kernels/*: make_kernel names them
+#: "<kernel family>_<variant>_<digest>"); families not listed here use "<family>_"
+KERNEL_PREFIX = {"attention_decode": ("attn_decode_",), "attention_prefill": ("attn_prefill_",)}
+
+
+def kernel_prefixes(family: str) -> tuple[str, ...]:
+    return KERNEL_PREFIX.get(family, (f"{family}_",))
+
+
+def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, rounds: int = 3) -> tuple[float, int]:
+    """Device microseconds per call-set of ``family``'s kernels, and their launches per set: each of ``fns``
+    (a decode and a prefill step) run ``iters`` times under the CUDA profiler, the kernels whose names start
+    with the family's prefix summed; the best of ``rounds``. Kernel time alone: a step's wall time is
+    mostly host launch cost and the other families, whose noise picked wrong configs (-30% at batch 1)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prefixes = kernel_prefixes(family)
+    best, launches = float("inf"), 0
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(max(1, rounds)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                for fn in fns:
+                    fn()
+            torch.cuda.synchronize()
+        hits = [e for e in prof.key_averages() if e.key.startswith(prefixes)]
+        best = min(best, sum(e.device_time_total for e in hits) / iters)
+        launches = round(sum(e.count for e in hits) / iters)
+    return best, launches
+
+
 class StepTimer:
     """Generates, loads and times the program under one launch override."""
 
-    def __init__(self, graph: Graph, plan: Any, descriptor: Any, device: str, batch: int, context: int,
+    def __init__(self, graph: Graph, plan: Any, descriptor: Any, device: str, batch: int | Sequence[int], context: int,
                  prefill: int, iters: int, workdir: Path) -> None:
         self.graph, self.plan, self.descriptor = graph, plan, descriptor
         self.device = torch.device(device)
         self.iters, self.workdir, self.n = iters, workdir, 0
         dtype = getattr(torch, str(plan.compute_dtype))
         block = int(plan.kv_block_size or 16)
-        self.decode = _step_inputs(graph, [1] * batch, [context] * batch, block, dtype, self.device)
-        self.prefill = _step_inputs(graph, [prefill], [0], block, dtype, self.device)
+        batches = [batch] if isinstance(batch, int) else list(batch)
+        self.steps = [_step_inputs(graph, [1] * b, [context] * b, block, dtype, self.device) for b in batches]
+        self.steps.append(_step_inputs(graph, [prefill], [0], block, dtype, self.device))
+        self.launches: dict[str, int] = {}  # family -> its kernels' launches per set of steps
+        self.clock = "wall time of the decode steps + a prefill step"
 
-    def __call__(self, launch: dict[str, dict[str, int]]) -> float:
-        """Microseconds of one decode step plus one prefill step under ``launch``."""
+    def __call__(self, launch: dict[str, dict[str, int]], family: str | None = None) -> float:
+        """Microseconds under ``launch``: on CUDA the device time of ``family``'s kernels in one decode step per
+        batch plus one prefill (the CUDA profiler); elsewhere, or when none of its kernels ran, the steps' wall time."""
         from portlayer.backends.generate import generate
         from portlayer.backends.triton_program import load_program
         from portlayer.codegen.program import write_program
@@ -97,17 +135,24 @@ class StepTimer:
         out = self.workdir / f"candidate-{self.n}"
         write_program(generate(self.graph, self.plan, self.descriptor, launch=launch), out)
         prog = load_program(out, self.graph.weights, str(self.device), self.plan)
+        steps = [lambda s=s, p=prog: p.run(*s) for s in self.steps]
         with torch.inference_mode():
-            t = sum(_time(lambda s=s, p=prog: p.run(*s), self.device, self.iters) for s in (self.decode, self.prefill))
-        del prog  # its weights, buffers and captured graphs: one candidate's program on the device at a time
+            t, n = (family_device_us(steps, family, self.iters) if family and self.device.type == "cuda"
+                    else (0.0, 0))  # fmt: skip
+            if n:
+                self.launches[family] = n
+                self.clock = "device time of the family's kernels (CUDA profiler) in the decode steps + a prefill step"
+            else:
+                t = sum(_time(fn, self.device, self.iters) for fn in steps)
+        del prog, steps  # its weights, buffers and captured graphs: one candidate's program on the device at a time
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return t
 
 
-def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batch: int = 16, context: int = 128,
-         prefill: int = 128, iters: int = 10, families: Sequence[str] | None = None, limit: int = 6,
+def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batch: int | Sequence[int] = 16,
+         context: int = 128, prefill: int = 128, iters: int = 10, families: Sequence[str] | None = None, limit: int = 6,
          say: Callable[[str], None] = print, existing: TuningFile | None = None, budget_s: float | None = None,
          on_family: Callable[[TuningFile], None] | None = None) -> TuningFile:
     """Search each family's candidates; the tuning file for ``descriptor`` and this toolchain.
@@ -139,7 +184,7 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             times = []
             for cfg in cands:
                 try:
-                    times.append(timer({fam: cfg}))
+                    times.append(timer({fam: cfg}, fam))
                 except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
                     say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
                     times.append(float("inf"))
@@ -150,8 +195,11 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             if times[best] >= times[0] * (1 - MARGIN):  # within the noise of a step: keep the default
                 best = 0
             out.put(fam, shape, cands[best], times[best], times[0], cands[0], len(cands))
+            n = timer.launches.get(fam)
             say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
-                f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}")
+                f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}; "
+                + (f"device time of its {n} kernel launches" if n else "wall time of the two steps (no kernel of it "
+                   "seen by a CUDA profiler)"))
             slowest = max(slowest, time.perf_counter() - t0)
             if on_family is not None:
                 on_family(out)

@@ -36,6 +36,15 @@ def _at(curve: Sequence[tuple[int, float]], m: int) -> float:
     return us[-1] * m / ms[-1] if m > ms[-1] else interp_log(m, ms, us)
 
 
+def _fixed_plus_proportional(big_us: float, small_us: float, big_k: int, small_k: int, kn: int,
+                             fixed_factor: float = 1.0) -> float:
+    """A GEMM timed at K = N = big_k and small_k: a fixed cost (scaled by ``fixed_factor``) plus a part
+    proportional to K*N, evaluated at ``kn``."""
+    per = max(0.0, (big_us - small_us) / (big_k**2 - small_k**2))
+    fixed = max(0.0, small_us - per * small_k**2) * fixed_factor
+    return fixed + per * kn
+
+
 @dataclass(frozen=True)
 class Curves:
     """What the device sustains; every time in microseconds."""
@@ -55,6 +64,8 @@ class Curves:
     node_us: float | None = None  # torch family: host cost of one node (its reference implementation)
     crossover: Mapping[str, tuple[tuple[int, float], ...]] = None  # path (triton, gemv) -> (M, us) at K = N = crossover_k
     crossover_k: int = 0
+    crossover_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same paths at K = N = crossover_small_k
+    crossover_small_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
     attention_kernel: str | None = None  # what the attention calibration timed
     torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
@@ -82,6 +93,8 @@ class Curves:
         cross = cal.get("gemm_crossover") or {}
         paths = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points", ()) if f"{path}_us" in p)
                  for path in ("triton", "gemv", "vendor")}  # fmt: skip
+        paths_small = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points_small", ())
+                                   if f"{path}_us" in p) for path in ("triton", "gemv")}  # fmt: skip
         launch = cal.get("launch_us") or {}
         attn = cal.get("attention") or {}
         return Curves(
@@ -92,6 +105,7 @@ class Curves:
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
+            crossover_small={k: v for k, v in paths_small.items() if v}, crossover_small_k=int(cross.get("k_small") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
             torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
             threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
@@ -142,17 +156,20 @@ class Curves:
         floor = nbytes / (self.bandwidth_gbps * 1e3)
         measured = (self.crossover or {}).get(path) if path != "vendor" else None
         if measured and self.crossover_k:
-            return max(_at(measured, m) * (k * n) / self.crossover_k**2, floor)
+            at = _at(measured, m)
+            small = (self.crossover_small or {}).get(path)
+            if small and self.crossover_small_k and m <= small[-1][0]:  # two sizes: fixed + proportional to K*N
+                return max(_fixed_plus_proportional(at, _at(small, m), self.crossover_k, self.crossover_small_k, k * n),
+                           floor)
+            return max(at * (k * n) / self.crossover_k**2, floor)
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:
             return max(flops / (self.peak_tflops(dtype) * 1e6), floor)
         at = _at(curve, m)
         small = self.gemm_small.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm_small else None
         if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
-            lo, k0 = _at(small, m), self.gemm_small_k
-            per = max(0.0, (at - lo) / (self.gemm_k**2 - k0**2))
-            fixed = max(0.0, lo - per * k0**2) * (self.host_factor if self.torch_nodes else 1.0)
-            return max(fixed + per * k * n, floor)
+            return max(_fixed_plus_proportional(at, _at(small, m), self.gemm_k, self.gemm_small_k, k * n,
+                                                self.host_factor if self.torch_nodes else 1.0), floor)
         base = min(self.floor_us(), curve[0][1] * 0.5)
         return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
 

@@ -14,7 +14,8 @@ from typing import Any
 def add_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser("tune", help="autotune launch configs per kernel family on this device")
     p.add_argument("artifact", help="artifact directory written by `portlayer compile` for this device")
-    p.add_argument("--batch", type=int, default=16, help="decode batch of the timed step")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
+                   help="decode batches of the timed steps (each timed, their times summed; default 1 16 64)")
     p.add_argument("--context", type=int, default=128, help="cached tokens per decoding sequence")
     p.add_argument("--prefill-tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)

@@ -186,7 +186,7 @@ def main() -> int:
     else:
         # the families a decode step spends most in first: the budget may end the search early
         fams = os.environ.get("FAMILIES", "gemv attention_decode gemm reduction attention_prefill pointwise rope").split()
-        tune_args = ["--batch", "16", "--iters", "5", "--candidates", os.environ.get("CANDIDATES", "3"), "--families", *fams]
+        tune_args = ["--batch", "1", "16", "64", "--context", "512", "--iters", "5", "--candidates", os.environ.get("CANDIDATES", "6"), "--families", *fams]
     compile_s = next((r.get("wall_s", 120) for r in RECORDS if r["step"].startswith("compile_06b") and r.get("rc") == 0), 120)
     bench_s = next((r.get("wall_s", 60) for r in RECORDS if r["step"] == "bench_06b"), 60)
     reserve = compile_s + bench_s + 20  # the tuned compile and its bench must still fit

@@ -202,3 +202,26 @@ def test_torch_family_step_is_the_sum_of_its_calibrated_calls(cpu):
     expected = 7.0 * (len(kinds) - n_gemm - n_attn) + 20.0 * n_gemm + 30.0 * n_attn + 5.0
     assert n_gemm and n_attn
     assert p.ms * 1e3 == pytest.approx(expected, rel=1e-3)
+
+
+def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_with_the_weight():
+    """Calibration times the few-rows kernel at K = N = 4096 and 512: a 1024x2048 decode GEMV is mostly the
+    fixed cost (the H200 measured ~4 us where bytes / bandwidth says ~1), so both sizes come back exactly and
+    a size between lies on the line through them in K*N."""
+    raw = synthetic("nvidia-h200", bandwidth=4000.0)
+    big, small = {1: 12.0, 8: 14.0}, {1: 3.0, 8: 3.5}
+    raw["calibration"] = {"gemm_crossover": {"k": 4096, "k_small": 512,
+                                             "points": [{"m": m, "triton_us": 50.0, "vendor_us": 20.0, "gemv_us": us}
+                                                        for m, us in big.items()],
+                                             "points_small": [{"m": m, "triton_us": 9.0, "gemv_us": us}
+                                                              for m, us in small.items()]}}  # fmt: skip
+    c = Curves.from_descriptor(raw)
+    t = lambda m, k, n: c.gemm_us(m, k, n, flops=2 * m * k * n, nbytes=2 * k * n, dtype="bfloat16", path="gemv")  # noqa: E731
+    assert t(1, 4096, 4096) == pytest.approx(12.0)
+    assert t(1, 512, 512) == pytest.approx(3.0)
+    per = (12.0 - 3.0) / (4096**2 - 512**2)
+    assert t(1, 1024, 2048) == pytest.approx(3.0 + per * (1024 * 2048 - 512**2))
+    assert t(8, 1024, 2048) > t(1, 1024, 2048)
+    del raw["calibration"]["gemm_crossover"]["points_small"]  # one size only: proportional to K*N, as before
+    c = Curves.from_descriptor(raw)
+    assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))

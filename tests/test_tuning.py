@@ -146,3 +146,21 @@ def test_cache_key_suffix_follows_the_tuning_file(cache):
     f.put("reduction", "x", {"num_warps": 2}, 1.0, 2.0, {"num_warps": 4}, 2)
     f.save(p)
     assert first.startswith(":tuning-") and tuning_digest(d) != first
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gpt2"])
+def test_every_generated_kernel_is_found_by_its_launch_familys_prefix(captured, model):
+    """The tuner compares a family's configs by the device time of the kernels whose names carry that
+    family's prefix (backends/tuning_runner.kernel_prefixes): every kernel of a generated program must
+    be found under exactly one launch family the plan has, or its family could not be tuned."""
+    from portlayer.backends.generate import generate
+    from portlayer.backends.tuning_runner import kernel_prefixes
+    from portlayer.passes.pipeline import run_pipeline
+
+    res = run_pipeline(captured[model], "nvidia-h200", verify=False)
+    families = [d.name.removeprefix("launch.") for d in res.plan if d.name.startswith("launch.") and d.value]
+    gen = generate(res.graph, res.plan, res.descriptor)
+    assert gen.kernels
+    for spec in gen.kernels.values():
+        owners = [f for f in families if spec.fn.startswith(kernel_prefixes(f))]
+        assert len(owners) == 1, (spec.fn, owners)
