@@ -188,6 +188,12 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                 except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
                     say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
                     times.append(float("inf"))
+                if len(times) == 1 and timer.device.type == "cuda" and fam not in timer.launches:
+                    break  # the default ran no kernel of this family: nothing of it to compare
+            if timer.device.type == "cuda" and fam not in timer.launches and times[0] != float("inf"):
+                say(f"tune {fam}: no kernel of this family ran in the timed steps (the plan does not launch it "
+                    "for this model here); left at its default, no entry written")
+                continue
             best = min(range(len(cands)), key=lambda i: times[i])
             if times[0] == float("inf"):
                 say(f"tune {fam}: the default config failed to run; family left untuned")
