@@ -96,6 +96,10 @@ def default_path(descriptor_name: str, descriptor_sha256: str, tools: Mapping[st
     return tuning_dir() / f"{descriptor_name}-{descriptor_sha256[:12]}-{tag}.json"
 
 
+#: the largest launch parameter a tuning file may hold (a few-rows W tile of 16384 elements is a real one)
+MAX_VALUE = 1 << 20
+
+
 def _check(raw: Any, origin: str) -> None:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise TuningError(f"{origin}: not a portlayer tuning file (format {FORMAT!r} version {VERSION}); "
@@ -105,10 +109,10 @@ def _check(raw: Any, origin: str) -> None:
             raise TuningError(f"{origin}: field {k!r} missing or not a {t.__name__}; delete the file or re-run `portlayer tune`")
     for name, e in raw["entries"].items():
         ok = (isinstance(e, dict) and isinstance(e.get("config"), dict)
-              and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096 for v in e["config"].values())
+              and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_VALUE for v in e["config"].values())
               and isinstance(e.get("time_us"), (int, float)) and isinstance(e.get("default_us"), (int, float)))  # fmt: skip
         if not ok:
-            raise TuningError(f"{origin}: entry {name!r} is malformed (config must map names to positive ints); "
+            raise TuningError(f"{origin}: entry {name!r} is malformed (config must map names to ints in 1..{MAX_VALUE}); "
                               "delete the file or re-run `portlayer tune`")
 
 
