@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from portlayer.errors import PortlayerError
-from portlayer.runtime.file_hash import bytes_match, chunks_match, hashes
+from portlayer.runtime.file_hash import ChunkCheck, bytes_match, chunks_match, hashes
 from portlayer.runtime.output_dir import check_output_dir, is_artifact_dir, replace_dir  # noqa: F401 - re-exported
 
 FORMAT = "portlayer.artifact"
@@ -172,8 +173,10 @@ class Manifest:
     raw: dict[str, Any] = field(repr=False)
     #: bytes of the files verify_artifact checked (all but the large ones): later reads use these
     held: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    #: (inode, size, mtime_ns) of each larger file when its sha256 was checked: it is mapped only if unchanged
+    #: (inode, size, mtime_ns) of each larger file when its sha256 check began: it is mapped only if unchanged
     checked: Mapping[str, tuple[int, int, int]] = field(default_factory=dict, repr=False, compare=False)
+    #: the big files' chunk check still running (verify_artifact(wait=False)); join_verification joins it
+    pending: PendingVerification | None = field(default=None, repr=False, compare=False)
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
@@ -237,54 +240,130 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     return Manifest(root, raw)
 
 
-def verify_artifact(directory: str | os.PathLike[str]) -> Manifest:
+def verify_artifact(directory: str | os.PathLike[str], *, wait: bool = True) -> Manifest:
     """Check every listed file's sha256 and refuse unlisted ones, before anything is loaded.
 
     Each file is read once; the returned Manifest holds the bytes of every file up to
     HOLD_MAX_BYTES (all generated sources, the graph, the plan), so what runs later is what
     was checked here even if the directory changes afterwards. Larger files (weights) are
-    checked again against the manifest when they are read (read_verified_bytes).
+    checked again against the manifest when they are read (read_verified_bytes), or mapped
+    only while unchanged since their check (open_verified_weights).
+
+    ``wait=False`` (the load, runtime/loaded.py) checks the big files that carry chunk hashes in a
+    background pool of threads instead of here: the Manifest's ``pending`` holds that check, and
+    whoever uses the weights must call ``join_verification`` first (the mapping and copying may go
+    on meanwhile). Everything small (sources, graph, plan, descriptor) is checked here either way.
     """
     m = read_manifest(directory)
     root = m.path
     problems = []
     held: dict[str, bytes] = {}
     checked: dict[str, tuple[int, int, int]] = {}
-    for rel, info in m.files.items():
-        p = root / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute() or rel == MANIFEST:
-            problems.append(f"{rel} ({info['kind']}): path escapes the artifact directory")
-        elif p.is_symlink() or any(q.is_symlink() for q in _parents_below(root, p)):
-            problems.append(f"{rel} ({info['kind']}): a symbolic link (an artifact holds regular files only)")
-        elif not p.is_file():
-            problems.append(f"{rel} ({info['kind']}): missing")
-        elif p.stat().st_size != info.get("bytes", p.stat().st_size):
-            problems.append(f"{rel} ({info['kind']}): {p.stat().st_size} bytes, manifest says {info['bytes']} (truncated or modified)")
-        elif p.stat().st_size <= HOLD_MAX_BYTES:
-            data = _read_bytes(p)
-            if not bytes_match(data, info):
-                problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+    background = None if wait else ChunkCheck()
+    try:
+        for rel, info in m.files.items():
+            p = root / rel
+            if ".." in Path(rel).parts or Path(rel).is_absolute() or rel == MANIFEST:
+                problems.append(f"{rel} ({info['kind']}): path escapes the artifact directory")
+            elif p.is_symlink() or any(q.is_symlink() for q in _parents_below(root, p)):
+                problems.append(f"{rel} ({info['kind']}): a symbolic link (an artifact holds regular files only)")
+            elif not p.is_file():
+                problems.append(f"{rel} ({info['kind']}): missing")
+            elif p.stat().st_size != info.get("bytes", p.stat().st_size):
+                problems.append(f"{rel} ({info['kind']}): {p.stat().st_size} bytes, manifest says {info['bytes']} (truncated or modified)")
+            elif p.stat().st_size <= HOLD_MAX_BYTES:
+                data = _read_bytes(p)
+                if not bytes_match(data, info):
+                    problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+                else:
+                    held[rel] = data
             else:
-                held[rel] = data
-        else:
-            before = _stat_key(p)
-            ok = chunks_match(p, info)  # per-chunk hashes in parallel threads, when the manifest has them
-            if not (ok if ok is not None else sha256_file(p) == info["sha256"]):
-                problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
-            elif _stat_key(p) == before:
-                checked[rel] = before
-    for rel in _walk(root):
-        if rel not in m.files:
-            problems.append(f"{rel}: not listed in the manifest (added after compile)")
+                before = _stat_key(p)
+                queued = background.add(rel, p, info) if background is not None else None
+                if queued:  # hashed in the background: mapped only while unchanged, joined before use
+                    checked[rel] = before
+                    continue
+                ok = chunks_match(p, info) if queued is None else False  # parallel chunk hashes, when it has them
+                if not (ok if ok is not None else sha256_file(p) == info["sha256"]):
+                    problems.append(f"{rel} ({info['kind']}): sha256 differs from the manifest (modified)")
+                elif _stat_key(p) == before:
+                    checked[rel] = before
+        for rel in _walk(root):
+            if rel not in m.files:
+                problems.append(f"{rel}: not listed in the manifest (added after compile)")
+        if problems:
+            raise _refusal(m, problems)
+        for kind in ("graph", "weights", "plan", "capability"):
+            if not m.files_of(kind):
+                raise ArtifactError(f"{root / MANIFEST}: lists no {kind} file; the artifact is incomplete, recompile it")
+    except BaseException:
+        if background is not None:
+            background.cancel()
+        raise
+    pending = None
+    if background is not None:
+        background.seal()
+        if not background.empty:
+            pending = PendingVerification(root, background, {r: checked[r] for r in background.keys()})
+    return Manifest(root, m.raw, held, checked, pending)
+
+
+def _refusal(m: Manifest, problems: list[str]) -> ArtifactError:
+    return ArtifactError(
+        f"artifact {m.path} failed verification, refusing to load it:\n  - " + "\n  - ".join(problems)
+        + "\nRecompile it (`" + m.recompile_command(m.target.get("name", "auto")) + "`) or restore the files."
+    )
+
+
+class PendingVerification:
+    """The big files' chunk check, started by verify_artifact(wait=False) and joined once by
+    ``join_verification``: the hashes, then each file's (inode, size, mtime) against the one taken
+    when its check began (a file replaced or modified during the load is refused)."""
+
+    def __init__(self, root: Path, check: ChunkCheck, keys: Mapping[str, tuple[int, int, int]]) -> None:
+        self.root, self.check, self.keys = root, check, dict(keys)
+        self._lock = threading.Lock()
+        self._problems: list[str] | None = None
+        self.waited_s = 0.0  # how long the join waited for the hashing
+
+    @property
+    def seconds(self) -> float | None:
+        """From the check's start to its last chunk hashed (None while it runs)."""
+        return None if self.check.finished is None else self.check.finished - self.check.started
+
+    def join(self, kinds: Mapping[str, str]) -> list[str]:
+        with self._lock:
+            if self._problems is None:
+                t0 = time.perf_counter()
+                bad = self.check.wait()
+                self.waited_s = time.perf_counter() - t0
+                problems = [f"{rel} ({kinds.get(rel, '?')}): {why}" for rel, why in bad.items()]
+                for rel, key in self.keys.items():
+                    if rel in bad:
+                        continue
+                    try:
+                        now = _stat_key(self.root / rel)
+                    except OSError:
+                        now = None
+                    if now != key:
+                        problems.append(f"{rel} ({kinds.get(rel, '?')}): replaced or modified while it was being "
+                                        "verified (inode, size or modification time changed); load it again")
+                self._problems = problems
+            return list(self._problems)
+
+    def cancel(self) -> None:
+        self.check.cancel()
+
+
+def join_verification(m: Manifest) -> None:
+    """Wait for the background part of ``verify_artifact(wait=False)`` (no-op when there is none); a
+    mismatch raises the ArtifactError verify_artifact would have raised. Call it before the weights
+    are used: before the first program step, before an executable or graph reaches the user."""
+    if m.pending is None:
+        return
+    problems = m.pending.join({rel: str(f.get("kind")) for rel, f in m.files.items()})
     if problems:
-        raise ArtifactError(
-            f"artifact {root} failed verification, refusing to load it:\n  - " + "\n  - ".join(problems)
-            + "\nRecompile it (`" + m.recompile_command(m.target.get("name", "auto")) + "`) or restore the files."
-        )
-    for kind in ("graph", "weights", "plan", "capability"):
-        if not m.files_of(kind):
-            raise ArtifactError(f"{root / MANIFEST}: lists no {kind} file; the artifact is incomplete, recompile it")
-    return Manifest(root, m.raw, held, checked)
+        raise _refusal(m, problems)
 
 
 def _parents_below(root: Path, p: Path) -> list[Path]:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
+import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -119,15 +121,106 @@ def chunks_match(path: Path, info: Mapping[str, Any]) -> bool | None:
     """True/False when ``info`` (a manifest entry, untrusted) has well-formed chunk hashes for a file of
     this size; None when it has none (check the whole-file sha256 instead). An entry whose digest is
     the chunk tree ("chunks:...") must agree with its own chunk list, else False."""
-    cb, chunks = info.get("chunk_bytes"), info.get("chunks_sha256")
-    size = path.stat().st_size
-    if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or not isinstance(chunks, list):
-        return None
-    if len(chunks) != math.ceil(size / cb) or not all(isinstance(c, str) for c in chunks) or size == 0:
-        return None
-    digest = info.get("sha256")
-    if isinstance(digest, str) and digest.startswith("chunks:") and digest != chunk_tree(chunks, cb):
-        return False
-    with ThreadPoolExecutor(_threads()) as pool:
-        got = list(pool.map(lambda i: _hash_range(path, i * cb, min(cb, size - i * cb)), range(len(chunks))))
-    return got == chunks
+    check = ChunkCheck()
+    try:
+        queued = check.add(str(path), path, info)
+        return queued if queued is not True else not check.wait()
+    finally:
+        check.cancel()
+
+
+class ChunkCheck:
+    """The per-chunk sha256 check of big files, hashed by a pool of threads while the caller goes on.
+
+    ``add`` queues a file's chunks; ``seal`` says no more will come (the pool then shuts itself down
+    when the last chunk is hashed); ``wait`` joins and returns {key: why} for each file that does not
+    match; ``cancel`` drops what is not hashed yet. The pool is this object's: no module-level state."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(threads or _threads(), thread_name_prefix="portlayer-sha256")
+        self._jobs: dict[str, tuple[list[str], list[Future[str]]]] = {}
+        self._lock = threading.Lock()
+        self._left = 0
+        self._sealed = False
+        self._result: dict[str, str] | None = None
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # perf_counter when the last chunk was hashed
+        self.bytes = 0
+
+    def add(self, key: str, path: Path, info: Mapping[str, Any]) -> bool | None:
+        """Queue ``path``'s chunks against manifest entry ``info`` (untrusted): True when queued, None
+        when the entry has no well-formed chunk hashes for a file of this size, False when its digest
+        contradicts its own chunk list (a mismatch, nothing to hash)."""
+        cb, chunks = info.get("chunk_bytes"), info.get("chunks_sha256")
+        size = path.stat().st_size
+        if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or not isinstance(chunks, list):
+            return None
+        if len(chunks) != math.ceil(size / cb) or not all(isinstance(c, str) for c in chunks) or size == 0:
+            return None
+        digest = info.get("sha256")
+        if isinstance(digest, str) and digest.startswith("chunks:") and digest != chunk_tree(chunks, cb):
+            return False
+        with self._lock:
+            if self._sealed:
+                raise RuntimeError("ChunkCheck.add after seal")
+            self._left += len(chunks)
+            self.bytes += size
+        futures = [self._pool.submit(lambda s: _hash_range(path, s, min(cb, size - s)), i * cb)
+                   for i in range(len(chunks))]
+        self._jobs[key] = (list(chunks), futures)
+        for f in futures:
+            f.add_done_callback(self._one_done)
+        return True
+
+    @property
+    def empty(self) -> bool:
+        return not self._jobs
+
+    def keys(self) -> list[str]:
+        return list(self._jobs)
+
+    def seal(self) -> None:
+        """No more files: the pool shuts down once the queued chunks are hashed (or at ``wait``)."""
+        with self._lock:
+            self._sealed = True
+            last = self._left == 0
+        if last:
+            self._finish()
+
+    def _one_done(self, _f: Future[str]) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0 and self._sealed
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.finished is None:
+            self.finished = time.perf_counter()
+        self._pool.shutdown(wait=False)
+
+    def wait(self) -> dict[str, str]:
+        """Join: {key: why} for every queued file whose chunks differ from its manifest entry (or could not
+        be read); empty when all match. Computed once; the pool is shut down on return."""
+        with self._lock:
+            self._sealed = True
+        if self._result is None:
+            bad = {}
+            for key, (want, futures) in self._jobs.items():
+                try:
+                    if [f.result() for f in futures] != want:
+                        bad[key] = "sha256 differs from the manifest (modified)"
+                except OSError as e:
+                    bad[key] = f"could not be read while it was verified ({e})"
+                except CancelledError:
+                    bad[key] = "not verified (the check was cancelled)"
+            self._result = bad
+            self._finish()
+            self._pool.shutdown(wait=True)
+        return dict(self._result)
+
+    def cancel(self) -> None:
+        """Drop the chunks not hashed yet (a load that failed or was abandoned); the pool shuts down."""
+        with self._lock:
+            self._sealed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,15 +1,20 @@
 """A verified artifact opened for use: its graph, plan, descriptor, executable and validation.
 
 Nothing here runs before `verify_artifact` has checked every file's hash, and the
-executable is built only for a device the device check accepted.
+executable is built only for a device the device check accepted. The big weights' chunk hashes
+are checked in background threads while the weights are mapped and copied to the device; the
+check is joined before the graph or an executable reaches the caller (LoadedArtifact.executable).
 """
 
 from __future__ import annotations
 
 import functools
 import html
+import os
 import sys
+import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,8 @@ from portlayer.flatten.ir import Graph
 from portlayer.runtime import artifact as A
 from portlayer.runtime.artifact import ArtifactError, Manifest
 
+#: set to 1: the load checks every file's hash before anything else, as before the overlap (slower)
+VERIFY_WAIT_ENV = "PORTLAYER_VERIFY_WAIT"
 #: files that make a tokenizer (generation_config.json alone does not)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model", "merges.txt")
 
@@ -41,12 +48,40 @@ class LoadedArtifact:
         self.device = device  # the local DetectedDevice that runs it (None when the check was skipped)
         self.notes = notes  # toolkit version differences
         self.tp_rank: int | None = None  # set on each rank of a tensor-parallel group (runtime/parallel/)
+        self.verify_started: float | None = None  # perf_counter when open_artifact began verifying
+        self._verified = manifest.pending is None
+        if manifest.pending is not None:  # dropped unused: stop hashing for it
+            weakref.finalize(self, manifest.pending.cancel)
 
     def __repr__(self) -> str:
         return f"<LoadedArtifact {self.manifest.model.get('spec')} for {self.descriptor.name} at {self.path}>"
 
-    @functools.cached_property
+    @property
     def graph(self) -> Graph:
+        """The artifact's graph with its weights, once the weights' hash check has passed."""
+        self.join_verification()
+        return self._mapped_graph
+
+    def join_verification(self) -> None:
+        """Wait for the weights' background hash check (verify_artifact(wait=False)); a mismatch or a file
+        replaced during the load raises the ArtifactError the blocking check would have. Says on stderr
+        what was verified and how long it took when that was over 2 s."""
+        if self._verified:
+            return
+        A.join_verification(self.manifest)  # raises on every call once it failed
+        self._verified = True
+        pending = self.manifest.pending
+        t0 = self.verify_started if self.verify_started is not None else pending.check.started
+        done = pending.check.finished or time.perf_counter()
+        if done - t0 > 2.0:
+            nbytes = sum(int(f.get("bytes", 0)) for f in self.manifest.files.values())
+            print(f"[portlayer] verified {self.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in {done - t0:.1f} s "
+                  f"({pending.check.bytes / (1 << 30):.2f} GiB of weights hashed while they were loaded; the load "
+                  f"waited {pending.waited_s:.1f} s for it)", file=sys.stderr)
+
+    @functools.cached_property
+    def _mapped_graph(self) -> Graph:
+        """The graph, its weights memory-mapped: not for use before join_verification (see ``graph``)."""
         from portlayer.flatten.serialize import GraphFileError, load_graph
         from portlayer.flatten.verify import VerificationError, verify_graph
 
@@ -67,16 +102,28 @@ class LoadedArtifact:
     def executable(self) -> Any:
         """The program to run: the backend's generated host program if it has one, else the reference.
 
+        The join point of the weights' background hash check: the program is built (weights mapped and
+        copied to the device) while the hashes are checked, and returned only once they match; nothing
+        runs a program step before (the engine's warm-up and every run come after this returns). On a
+        mismatch what was built is dropped and the ArtifactError says which file differs.
         A load over 2 s says on stderr what it moved and how fast (weights are memory-mapped and
         copied to the device one tensor at a time)."""
-        import time
-
         t0 = time.perf_counter()
-        exe = self._executable()
+        try:
+            exe = self._executable()
+        except Exception:
+            self.join_verification()  # a damaged weights file is reported as such, not as what reading it did
+            raise
+        try:
+            self.join_verification()
+        except ArtifactError:
+            _drop(exe)
+            del exe
+            self.__dict__.pop("_mapped_graph", None)
+            _free_device_cache()
+            raise
         dt = time.perf_counter() - t0
         if dt > 2.0:
-            import sys
-
             nbytes = sum(int(f.get("bytes", 0)) for f in self.manifest.files.values() if f.get("kind") == "weights")
             print(f"[portlayer] loaded {self.path.name}: {nbytes / (1 << 30):.2f} GiB of weights onto "
                   f"{self.torch_device} in {dt:.1f} s ({nbytes / dt / 1e9:.2f} GB/s)", file=sys.stderr)
@@ -94,7 +141,7 @@ class LoadedArtifact:
             from portlayer.runtime.parallel.launch import start_executable
 
             return start_executable(self)  # rank 0's proxy over the group (docs/parallel.md)
-        graph = self.graph
+        graph = self._mapped_graph  # joined by executable() before the program is returned
         if self.interpreted:  # the generated program, its kernels run by TRITON_INTERPRET=1 on the CPU
             from portlayer.backends.triton_program import load_program
 
@@ -207,6 +254,25 @@ class LoadedArtifact:
         return f"<div class='portlayer-artifact'><table>{body}</table>{plan_html(self.plan)}</div>"
 
 
+def _drop(exe: Any) -> None:
+    """Release an executable built on weights that failed their check (a tensor-parallel group is closed)."""
+    close = getattr(exe, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: S110 - best effort: the ArtifactError being raised is what matters
+            pass
+
+
+def _free_device_cache() -> None:
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _plan_value(plan: Plan, name: str, default: Any) -> Any:
     try:
         return plan.value(name)
@@ -237,17 +303,29 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
     """``emulate=True`` opens a CANN (Ascend) artifact to run on portlayer's CPU emulator of the
     torch_npu calls (docs/ascend.md) instead of checking for an NPU; any other artifact is refused.
     ``emulate=None`` means "if PORTLAYER_ASCEND_EMULATOR=1 and the artifact is CANN".
-    ``interpret=True`` opens a Triton artifact to run on this CPU under the Triton interpreter."""
-    import time
+    ``interpret=True`` opens a Triton artifact to run on this CPU under the Triton interpreter.
 
+    The big weights' hashes are checked in background threads and joined by the returned artifact's
+    ``executable()`` / ``graph`` (the copy to the device overlaps the check); with ``check_device=False``
+    (nothing can run, only inspect) or $PORTLAYER_VERIFY_WAIT=1 every file is checked before this returns."""
     t0 = time.perf_counter()
-    m = A.verify_artifact(path)
-    if time.perf_counter() - t0 > 2.0:
-        import sys
-
+    blocking = os.environ.get(VERIFY_WAIT_ENV) == "1" or not (check_device or interpret or emulate is not False)
+    m = A.verify_artifact(path, wait=blocking)
+    try:
+        loaded = _open_verified(m, check_device, emulate, interpret)
+    except BaseException:
+        if m.pending is not None:
+            m.pending.cancel()
+        raise
+    loaded.verify_started = t0
+    if m.pending is None and time.perf_counter() - t0 > 2.0:
         nbytes = sum(int(f.get("bytes", 0)) for f in m.files.values())
         print(f"[portlayer] verified {m.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return loaded
+
+
+def _open_verified(m: Manifest, check_device: bool, emulate: bool | None, interpret: bool) -> LoadedArtifact:
     if emulate is None:
         from portlayer.backends.ascend import emulator_requested
 
@@ -277,7 +355,7 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
         device = A.check_device(m) if check_device else None
     notes = A.version_notes(m)
     for n in notes:
-        warnings.warn(f"artifact {m.path}: {n}", UserWarning, stacklevel=3)
+        warnings.warn(f"artifact {m.path}: {n}", UserWarning, stacklevel=4)
     return LoadedArtifact(m, plan, desc, device, notes, emulated=bool(emulate) and not interpret, interpreted=interpret)
 
 
