@@ -244,6 +244,10 @@ def _copy_artifact(src: Path, dest: Path) -> Path:
 def load(path: str | os.PathLike[str], check_device: bool = True) -> LoadedArtifact:
     """Verify an artifact (every file's sha256, then the device) and open it.
 
+    The big weights' hashes finish in background threads while the weights are loaded; the returned
+    artifact's ``executable()`` / ``graph`` join them first (runtime/loaded.py; $PORTLAYER_VERIFY_WAIT=1
+    checks everything before this returns).
+
     ``check_device=False`` opens an artifact built for another device to inspect its
     graph and plan; its executable then refuses to run.
     """

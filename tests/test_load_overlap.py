@@ -117,6 +117,8 @@ def test_a_flipped_weights_byte_is_refused_before_anything_runs(big_weights, tmp
     assert not _sha_threads()  # the pool lived for the load only
     with pytest.raises(A.ArtifactError, match=want):  # the blocking check: the same text, at verify time
         A.verify_artifact(bad)
+    with pytest.raises(A.ArtifactError, match=want):  # inspect only (nothing can run): checked before it returns
+        portlayer.load(bad, check_device=False)
     monkeypatch.setenv("PORTLAYER_VERIFY_WAIT", "1")
     with pytest.raises(A.ArtifactError, match=want):
         portlayer.load(bad)
