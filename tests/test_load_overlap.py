@@ -9,10 +9,12 @@ come from spies on the hasher and on the mapping.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -90,6 +92,21 @@ def _spy_runs(monkeypatch) -> list[str]:
     return calls
 
 
+def _spy_builds(monkeypatch) -> list[weakref.ref]:
+    """A weak reference to every executable built."""
+    from portlayer.codegen.host_support import HostProgram
+    from portlayer.runtime.executable import ReferenceExecutable
+
+    refs: list[weakref.ref] = []
+    for cls in (HostProgram, ReferenceExecutable):
+        def init(self, *a, _orig=cls.__init__, **k):
+            refs.append(weakref.ref(self))
+            _orig(self, *a, **k)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    return refs
+
+
 def _sha_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("portlayer-sha256")]
 
@@ -103,12 +120,15 @@ def test_a_flipped_weights_byte_is_refused_before_anything_runs(big_weights, tmp
 
     bad = _flipped(big_weights, tmp_path / "bad", where)
     calls = _spy_runs(monkeypatch)
+    built = _spy_builds(monkeypatch)
     want = r"weights\.safetensors \(weights\): sha256 differs from the manifest \(modified\)\nRecompile it"
     loaded = portlayer.load(bad)
     assert loaded.manifest.pending is not None  # the check was left running, not done by load()
     with pytest.raises(A.ArtifactError, match=want):
         loaded.executable()
-    assert "_mapped_graph" not in loaded.__dict__  # what was mapped/copied is dropped
+    assert built or where >= 1  # a data byte: the program was built (weights mapped) before the check failed
+    gc.collect()
+    assert "_mapped_graph" not in loaded.__dict__ and all(ref() is None for ref in built)  # what was built is freed
     for use in (loaded.executable, loaded.engine, lambda: loaded.graph, loaded.validate,
                 lambda: LLMEngine.from_artifact(bad)):
         with pytest.raises(A.ArtifactError, match=want):
