@@ -67,6 +67,7 @@ class Curves:
     crossover_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same paths at K = N = crossover_small_k
     crossover_small_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
+    generated_kernel_us: float | None = None  # what each further generated kernel adds to an eager step's host time
     attention_kernel: str | None = None  # what the attention calibration timed
     torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
     torch_step_us: float = 0.0  # torch family: what run() pays once per step (the step state)
@@ -107,6 +108,7 @@ class Curves:
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             crossover_small={k: v for k, v in paths_small.items() if v}, crossover_small_k=int(cross.get("k_small") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
+            generated_kernel_us=launch.get("triton_kernel_us"),
             torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
             threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
             cache_bytes=cal.get("cache_knee_bytes"),

@@ -225,3 +225,29 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
     del raw["calibration"]["gemm_crossover"]["points_small"]  # one size only: proportional to K*N, as before
     c = Curves.from_descriptor(raw)
     assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))
+
+
+def test_what_a_gemm_path_cannot_fuse_is_counted_as_its_own_kernel(gpu):
+    """At one row the few-rows kernel computes the norm prologue and the SiLU*up epilogue inside itself; at 64
+    rows the vendor GEMM runs them as their own reduction and pointwise kernels (codegen/kernels/gemm_group.py):
+    one more launch per fused prologue and per fused epilogue, and more time."""
+    raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
+    assert raw["tuning"]["gemv_max_tokens"] == 1 and raw["tuning"]["triton_gemm_max_tokens"] == 0
+    recs = [k for k in gpu.graph.meta["kernels"] if k.get("family") == "gemm"]
+    fused = sum(bool(k.get("prologue")) + bool(k.get("epilogue")) for k in recs)
+    assert fused > 0
+    one = predict(gpu.graph, gpu.plan, raw, "decode", batch=1, context=16)
+    many = predict(gpu.graph, gpu.plan, raw, "decode", batch=64, context=16)
+    assert many.launches - one.launches == fused
+
+
+def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(gpu):
+    """Calibration times an eager one-kernel and two-kernel generated program: the step's host time is the
+    one-kernel step plus the difference for every further kernel (not the whole step per kernel)."""
+    raw = synthetic("nvidia-h200", bandwidth=1e12, tflops=1e12)
+    raw["calibration"] = {"launch_us": {"eager_us": 5.0, "triton_us": 60.0, "triton_kernel_us": 10.0}}
+    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
+    assert not p.graphs and p.host_ms == pytest.approx((50.0 + 10.0 * p.launches) / 1e3, rel=1e-6)
+    del raw["calibration"]["launch_us"]["triton_kernel_us"]
+    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)
+    assert p.host_ms == pytest.approx(60.0 * p.launches / 1e3, rel=1e-6)
