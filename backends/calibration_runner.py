@@ -202,6 +202,44 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
             "triton_kernel_us": sig(per_kernel) if per_kernel > 0 else None}
 
 
+def one_attention(heads: tuple[int, int, int], dtype: torch.dtype) -> Any:
+    """q, k, v [num_tokens, heads, dim] -> paged causal attention: the graph whose generated program the
+    attention calibration times (its decode kernels: split-K attention and its reduce, and the KV write)."""
+    hq, hkv, d = heads
+    b = GraphBuilder()
+    name = str(dtype).removeprefix("torch.")
+    q = b.add_input("q", TensorType(name, ("num_tokens", hq, d)))
+    k = b.add_input("k", TensorType(name, ("num_tokens", hkv, d)))
+    v = b.add_input("v", TensorType(name, ("num_tokens", hkv, d)))
+    b.graph.outputs = [b.add1("attention", [q, k, v], {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d,
+                                                         "scale": d**-0.5, "layer": 0}, name="attn")]
+    b.graph.meta = {"architecture": "calibration-attention"}
+    return b.graph
+
+
+def measure_generated_attention(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
+                                base: str) -> dict[str, Any]:
+    """Paged decode attention as a generated Triton program runs it (the split-K kernel, its reduce, the KV
+    write), timed at ``sizes.attn_points`` from a replayed CUDA graph where capture works; the fit the cost
+    model uses for Triton targets (calibration.attention_generated). Triton targets on CUDA only."""
+    desc = load_descriptor(base)
+    if dev.type != "cuda" or desc.codegen != "triton":
+        return {}
+    from portlayer.capabilities.calibrate_attention import measure_paged_attention
+
+    dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
+    with tempfile.TemporaryDirectory(prefix="portlayer-attention-") as tmp:
+        prog = _program(pipeline, one_attention(sizes.attn_heads, dtype), desc, dtype, dev, Path(tmp) / "attention",
+                        0, 0)
+
+        def run(ins: list[torch.Tensor], ctx: Any) -> Any:
+            return prog.run(dict(zip(("q", "k", "v"), ins)), ctx.attn_metadata, ctx.kv_cache)
+
+        got = measure_paged_attention(dev, sizes, progress, dtype, run=run,
+                                      label="generated split-K decode attention + reduce", graphed=True)
+    return {"attention_generated": got}
+
+
 def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:
     """Paged attention as a torch-codegen program runs it (codegen/torch_attention.py: one batched sdpa per
     step), replacing the op-reference measurement capabilities/ can make on its own."""
@@ -228,4 +266,5 @@ def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
     out: list[Extra] = [measure_torch_attention, measure_torch_nodes]
     if pipeline is not None:
         out.append(lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base))
+        out.append(lambda dev, sizes, progress, base: measure_generated_attention(pipeline, dev, sizes, progress, base))
     return out

@@ -179,14 +179,15 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             kv, aflops, kv_dtype, scores = attn
             work = max(kv, scores) if torch_family else kv  # torch ops write the [heads, q, k] scores; a fused kernel does not
             dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family,
-                                         cold=per_node and curves.sweeps_caches(prev_bytes))
+                                         cold=per_node and curves.sweeps_caches(prev_bytes), decode=phase == "decode")
             if per_node and curves.batched_attention():  # the fit timed the whole call the program makes
                 launch_us = 0.0
             else:
                 dev_us += curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
-            if phase == "decode" and rec.get("impl") == "triton.paged_attention":
-                # split-K decode attention: its partial results are combined by a second kernel (the reduce)
+            if phase == "decode" and rec.get("impl") == "triton.paged_attention" and not curves.generated_attention:
+                # split-K decode attention: its partial results are combined by a second kernel (the reduce);
+                # a calibrated generated-attention fit timed both kernels already
                 part = curves.memory_us(2 * new_tokens * _heads(compute) * 4)
                 dev_us += max(part, per_launch) if graphs else part
                 launches += 1
