@@ -217,6 +217,7 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             | ({"triton_kernel_us": results["triton_kernel_us"]} if results.get("triton_kernel_us") else {})
             | ({"torch_step_us": results["torch_step_us"]} if results.get("torch_step_us") else {}),
             "gemm_curves": results["gemm_curves"], "gemm_k": sizes.gemm_k, "attention": results["attention"],
+            "gemm_cold_bytes": sizes.cold_bytes,
             "gemm_curves_small": results.get("gemm_curves_small", {}), "gemm_small_k": results.get("gemm_small_k"),
             "torch": vers["torch"],
         },  # fmt: skip

@@ -234,3 +234,26 @@ def test_the_generated_attention_program_calibration_times_is_paged_decode_atten
         want = F.scaled_dot_product_attention(q[b][:, None], keys.transpose(0, 1).repeat_interleave(rep, 0),
                                               vals.transpose(0, 1).repeat_interleave(rep, 0), scale=d**-0.5)
         torch.testing.assert_close(out[b], want[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
+    """Sizes.cold_bytes (the GPU presets: 512 MiB): the curve cycles through weight copies, so a small weight is
+    not timed from a cache it would never sit in during a decode step; 0 (the CPU presets) keeps one weight."""
+    import dataclasses
+
+    import torch
+
+    from portlayer.capabilities.calibrate_gemm import measure_small_m
+    from portlayer.capabilities.calibrate_timing import CPU_QUICK, GPU_QUICK, Progress
+
+    assert GPU_QUICK.cold_bytes >= 256 << 20 and CPU_QUICK.cold_bytes == 0
+    for cold, want in ((4 * 64 * 64 * 4, 4), (0, 1)):
+        seen: list[int] = []
+
+        def run(x, w, out, seen=seen):
+            seen.append(w.data_ptr())
+            return torch.mm(x, w.t(), out=out)
+
+        sizes = dataclasses.replace(CPU_QUICK, cold_bytes=cold, gemm_ms=(1, 2), reps=1, budget_s=0.01, warmup=1)
+        rows = measure_small_m(torch.device("cpu"), "fp32", sizes, Progress(enabled=False), k=64, run=run)
+        assert len(rows) == 2 and len(set(seen)) == want
