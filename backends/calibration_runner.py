@@ -42,6 +42,19 @@ def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
     return b.graph
 
 
+def two_linears(k: int, dtype: torch.dtype) -> Any:
+    """x -> linear -> linear: with one_linear, what one more generated kernel costs an eager step's host."""
+    b = GraphBuilder()
+    x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
+    g = torch.Generator().manual_seed(0)
+    w1 = b.add_param("w1", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
+    w2 = b.add_param("w2", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
+    h = b.add1("linear", [x, w1, None], name="proj1")
+    b.graph.outputs = [b.add1("linear", [h, w2, None], name="proj2")]
+    b.graph.meta = {"architecture": "calibration-gemm"}
+    return b.graph
+
+
 def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> tuple[float, str]:
     """Microseconds per step: replayed from a CUDA graph where capture works, else eager (said so).
 
@@ -96,6 +109,31 @@ def crossover(points: list[dict[str, Any]]) -> int:
     return best
 
 
+def _program(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.dtype, dev: torch.device, out: Path,
+             gemm_rule: int, gemv_rule: int) -> Any:
+    from portlayer.backends.generate import generate
+    from portlayer.backends.triton_program import load_program
+    from portlayer.codegen.program import write_program
+
+    result = pipeline(graph, desc, overrides={"compute_dtype": str(dtype).removeprefix("torch."),
+                                              "weight_quantization": "none"})
+    write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
+                           gemv_max_tokens=gemv_rule), out)
+    return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+
+
+def measure_eager_kernel_host(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype,
+                              k: int, tmp: str) -> float:
+    """Host microseconds one more generated kernel adds to an eager step: a two-linear program's step minus
+    a one-linear program's (both the Triton GEMM at one row); the rest of the one-kernel step is per step."""
+    times = []
+    with torch.inference_mode():
+        for name, graph in (("one", one_linear(k, k, dtype)), ("two", two_linears(k, dtype))):
+            prog = _program(pipeline, graph, desc, dtype, dev, Path(tmp) / f"host-{name}", ALWAYS_TRITON, 0)
+            times.append(_host_us(prog, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200))
+    return max(0.0, times[1] - times[0])
+
+
 def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype, k: int,
                 paths: Any, iters: int, tmp: str) -> tuple[dict[str, dict[int, float]], set[str], float]:
     """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path,
@@ -144,6 +182,7 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
         # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
         small, _, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
+        per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
     points_small = [{"m": m, "triton_us": sig(small["triton"][m]),
@@ -155,10 +194,50 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
                   + f"; at K=N={small_k} triton/gemv us: "
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}" for p in points_small)
-                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us")
+                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
+                  f"each further kernel {per_kernel:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
                                "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
-            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host)}
+            "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host),
+            "triton_kernel_us": sig(per_kernel) if per_kernel > 0 else None}
+
+
+def one_attention(heads: tuple[int, int, int], dtype: torch.dtype) -> Any:
+    """q, k, v [num_tokens, heads, dim] -> paged causal attention: the graph whose generated program the
+    attention calibration times (its decode kernels: split-K attention and its reduce, and the KV write)."""
+    hq, hkv, d = heads
+    b = GraphBuilder()
+    name = str(dtype).removeprefix("torch.")
+    q = b.add_input("q", TensorType(name, ("num_tokens", hq, d)))
+    k = b.add_input("k", TensorType(name, ("num_tokens", hkv, d)))
+    v = b.add_input("v", TensorType(name, ("num_tokens", hkv, d)))
+    b.graph.outputs = [b.add1("attention", [q, k, v], {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d,
+                                                         "scale": d**-0.5, "layer": 0}, name="attn")]
+    b.graph.meta = {"architecture": "calibration-attention"}
+    return b.graph
+
+
+def measure_generated_attention(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
+                                base: str) -> dict[str, Any]:
+    """Paged decode attention as a generated Triton program runs it (the split-K kernel, its reduce, the KV
+    write), timed at ``sizes.attn_points`` from a replayed CUDA graph where capture works; the fit the cost
+    model uses for Triton targets (calibration.attention_generated). Triton targets on CUDA only."""
+    desc = load_descriptor(base)
+    if dev.type != "cuda" or desc.codegen != "triton":
+        return {}
+    from portlayer.capabilities.calibrate_attention import measure_paged_attention
+
+    dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
+    with tempfile.TemporaryDirectory(prefix="portlayer-attention-") as tmp:
+        prog = _program(pipeline, one_attention(sizes.attn_heads, dtype), desc, dtype, dev, Path(tmp) / "attention",
+                        0, 0)
+
+        def run(ins: list[torch.Tensor], ctx: Any) -> Any:
+            return prog.run(dict(zip(("q", "k", "v"), ins)), ctx.attn_metadata, ctx.kv_cache)
+
+        got = measure_paged_attention(dev, sizes, progress, dtype, run=run,
+                                      label="generated split-K decode attention + reduce", graphed=True)
+    return {"attention_generated": got}
 
 
 def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:
@@ -187,4 +266,5 @@ def extras(pipeline: Callable[..., Any] | None = None) -> list[Extra]:
     out: list[Extra] = [measure_torch_attention, measure_torch_nodes]
     if pipeline is not None:
         out.append(lambda dev, sizes, progress, base: measure_gemm_crossover(pipeline, dev, sizes, progress, base))
+        out.append(lambda dev, sizes, progress, base: measure_generated_attention(pipeline, dev, sizes, progress, base))
     return out

@@ -171,8 +171,9 @@ def calibrate(device: str | None = None, base: str | None = None, sizes: Sizes |
             rounds.append(measure(dev, sizes, progress, extra, base_name))
         results = merge_rounds(rounds)
         results["threads"], results["clock"] = n, ("CUDA events (device time)" if dev.type == "cuda" else host_clock()[1])
-    if results.get("attention", {}).get("points"):  # the fit of the merged points, not the best of three fits
-        results["attention"].update(fit(results["attention"]["points"]))
+    for key in ("attention", "attention_generated"):  # the fit of the merged points, not the best of three fits
+        if results.get(key, {}).get("points"):
+            results[key].update(fit(results[key]["points"]))
     seq = results.pop("torch_sequence", None)
     if seq and seq.get("alone_us"):  # the ratio of the merged times (a ratio's best round would be its lowest)
         results["torch_sequence_factor"] = sig(max(1.0, seq["sequence_us"] / seq["alone_us"]), 3)
@@ -213,13 +214,15 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "cache_knee_bytes": cache_knee(results["sweep"]),
             "launch_us": {k: (sig(v) if v is not None else None) for k, v in launch.items()}
             | ({"triton_us": results["triton_launch_us"]} if results.get("triton_launch_us") else {})
+            | ({"triton_kernel_us": results["triton_kernel_us"]} if results.get("triton_kernel_us") else {})
             | ({"torch_step_us": results["torch_step_us"]} if results.get("torch_step_us") else {}),
             "gemm_curves": results["gemm_curves"], "gemm_k": sizes.gemm_k, "attention": results["attention"],
+            "gemm_cold_bytes": sizes.cold_bytes,
             "gemm_curves_small": results.get("gemm_curves_small", {}), "gemm_small_k": results.get("gemm_small_k"),
             "torch": vers["torch"],
         },  # fmt: skip
     }
-    for key in ("gemm_crossover", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
+    for key in ("gemm_crossover", "attention_generated", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
                 "round_spread_pct"):
         if key in results:
             patch["calibration"][key] = results[key]

@@ -68,8 +68,9 @@ def fit(points: list[dict[str, Any]]) -> dict[str, float]:
 
 def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progress, dtype: torch.dtype,
                             run: Callable[[list[torch.Tensor], Any], Any] | None = None,
-                            label: str = "torch attention op") -> dict[str, Any]:
-    """Decode attention over a paged cache at ``sizes.attn_points``; the points and their fit."""
+                            label: str = "torch attention op", graphed: bool = False) -> dict[str, Any]:
+    """Decode attention over a paged cache at ``sizes.attn_points``; the points and their fit.
+    ``graphed``: timed from a replayed CUDA graph where capture works (device time, as a decode step runs)."""
     run = run or _reference_runner(sizes.attn_heads)
     points = []
     progress.start(f"paged attention ({label}) at (batch, context) {list(sizes.attn_points)}")
@@ -77,7 +78,7 @@ def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progre
         for batch, context in sizes.attn_points:
             ins, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, device)
             fn = lambda ins=ins, ctx=ctx: run(ins, ctx)  # noqa: E731
-            t = measure_s(fn, device, sizes, 2 * sizes.budget_s, 200)
+            t = measure_s(fn, device, sizes, 2 * sizes.budget_s, 200, graphed=graphed)
             points.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "us": sig(t * 1e6),
                            "gbps": sig(kv_bytes / t / 1e9)})
     f = fit(points)

@@ -91,14 +91,19 @@ def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Pr
     """The vendor GEMM as the compiled program calls it (``run(x, W, out)``, default torch.mm(x, W.t(), out=...))
     at M rows x K=N=k (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its
     size). A backend passes the call its programs make (the torch family: the linear op through host_support.ref)."""
+    import itertools
+
     k = k or sizes.gemm_k
     w = torch.randn(k, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
+    copies = max(1, min(1024, sizes.cold_bytes // (w.numel() * w.element_size())))
+    weights = itertools.cycle([w] + [w.clone() for _ in range(copies - 1)])  # Sizes.cold_bytes: read cold
     rows = []
-    progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} K=N={k}")
+    progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} K=N={k}"
+                   + (f", cycling {copies} weight copies" if copies > 1 else ""))
     for m in sizes.gemm_ms:
         x = torch.randn(m, k, device=device, dtype=w.dtype)
         out = torch.empty(m, k, device=device, dtype=w.dtype)
-        fn = lambda x=x, out=out: run(x, w, out)  # noqa: E731
+        fn = lambda x=x, out=out: run(x, next(weights), out)  # noqa: E731
         fn()
         sync(device)
         t = measure_s(fn, device, sizes, sizes.budget_s, 200, graphed=True)

@@ -45,6 +45,10 @@ class Sizes:
     gemm_ms: tuple[int, ...] = (1, 4, 16, 64, 256)
     attn_points: tuple[tuple[int, int], ...] = ((1, 256), (8, 256))  # (batch, context) of the paged read
     attn_heads: tuple[int, int, int] = (8, 2, 64)  # q heads, kv heads, head dim
+    # the decode GEMM curves cycle through weight copies of at least this many bytes (0: one weight), so each
+    # call reads its weight from memory as a decode step does (every other layer's weights stream between
+    # two reads of one), not from a cache that a small repeated weight stays in (the H200's L2 is 50 MB)
+    cold_bytes: int = 0
 
 
 CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=3, launches=20000, max_seconds_per_dtype=0.25,
@@ -55,10 +59,11 @@ CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launc
                  attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
 GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
                   reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048), attn_points=((1, 1024), (16, 1024), (64, 1024)),
-                  attn_heads=(16, 8, 128))  # fmt: skip
+                  attn_heads=(16, 8, 128), cold_bytes=512 * 2**20)  # fmt: skip
 GPU_FULL = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=6.0,
                  reps=7, budget_s=0.15, gemm_k=4096, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-                 attn_points=((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128))  # fmt: skip
+                 attn_points=((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128),
+                 cold_bytes=512 * 2**20)  # fmt: skip
 CPU_SIZES, GPU_SIZES = CPU_QUICK, GPU_FULL  # names kept for callers of the first calibrate
 
 

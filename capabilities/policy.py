@@ -316,10 +316,11 @@ class _Negotiation:
                  f"few-rows GEMM: column blocks sized for >= 2 programs per compute unit ({cus} units); a W tile of "
                  f"<= 4096 elements (32 float32 products per thread of 128) / {scale}")  # fmt: skip
         self._attention(smem, item, warps, scale, hd)
-        # launch configs measured on this device (capabilities/tuning.py); none: the defaults above
-        from portlayer.capabilities.tuning import apply_tuning, shape_key
+        # launch configs measured on this device: the descriptor's (data shipped for the device), then a tuning
+        # file's (portlayer tune on this host; capabilities/tuning.py); none: the defaults above
+        from portlayer.capabilities.tuning import apply_descriptor_defaults, apply_tuning, shape_key
 
-        self.out[:] = apply_tuning(self.out, d, shape_key(r, self.v["compute_dtype"]))
+        self.out[:] = apply_tuning(apply_descriptor_defaults(self.out, d), d, shape_key(r, self.v["compute_dtype"]))
         self.v.update({x.name: x.value for x in self.out})
 
     def _gemm(self, smem: int, item: float, warps: Any, scale: str) -> None:

@@ -160,6 +160,34 @@ def find_tuning(descriptor_name: str, descriptor_sha256: str) -> tuple[TuningFil
         return None, f"tuning file refused: {e}"
 
 
+def apply_descriptor_defaults(decisions: list[Any], descriptor: Any) -> list[Any]:
+    """``decisions`` with the parameters the descriptor's ``tuning.launch_defaults`` measured for this device
+    put into launch.<family> (the reason says so and quotes the source); data, not code. A family the
+    rules did not configure, or a parameter its rule does not set, is a descriptor error naming both."""
+    from portlayer.capabilities.descriptor import DescriptorError
+    from portlayer.capabilities.plan import Decision
+
+    measured = (descriptor.tuning or {}).get("launch_defaults") or {}
+    if not measured:
+        return list(decisions)
+    by_name = {d.name: d for d in decisions}
+    source = descriptor.raw.get("sources", {}).get("tuning.launch_defaults", "")
+    for fam, params in measured.items():
+        d = by_name.get(f"launch.{fam}")
+        if d is None or not isinstance(d.value, dict) or not d.value:
+            known = sorted(k.removeprefix("launch.") for k, v in by_name.items() if k.startswith("launch.") and v.value)
+            raise DescriptorError(descriptor.origin, f"$.tuning.launch_defaults.{fam}", "kernel family",
+                                  f"{fam!r} is not a kernel family this target configures (known: {', '.join(known)})")
+        unknown = sorted(set(params) - set(d.value))
+        if unknown:
+            raise DescriptorError(descriptor.origin, f"$.tuning.launch_defaults.{fam}", "launch parameters",
+                                  f"sets {unknown}, which the {fam} kernels do not take (they take {sorted(d.value)})")
+        by_name[d.name] = Decision(d.name, {**d.value, **params},
+                                   f"{d.reason}; measured on this device: {params} (descriptor tuning.launch_defaults"
+                                   f"{': ' + source if source else ''})")
+    return [by_name[d.name] for d in decisions]
+
+
 def apply_tuning(decisions: list[Any], descriptor: Any, shape: str) -> list[Any]:
     """``decisions`` with each launch.<family> replaced by this device's tuned entry for ``shape``.
 

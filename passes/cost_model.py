@@ -155,9 +155,13 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     per_launch = (curves.graph_launch_us if curves.graph_launch_us is not None else 1.0) if graphs else curves.launch_us
     if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
         per_launch = curves.node_us
-    elif not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
+    step_host_us = 0.0
+    if not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
         per_launch = curves.generated_launch_us
-    groups, launches, host_us = [], 0, 0.0
+        if curves.generated_kernel_us:  # one step's fixed host cost, then each kernel's
+            per_launch = min(curves.generated_kernel_us, curves.generated_launch_us)
+            step_host_us = curves.generated_launch_us - per_launch
+    groups, launches, host_us = [], 0, step_host_us
     per_node = torch_family and bool(curves.torch_nodes)  # calibrated per op through host_support.ref
     prev_bytes = 0  # what the group before moved: past the cache knee, this one starts cold
     for rec in kernels:
@@ -175,15 +179,28 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             kv, aflops, kv_dtype, scores = attn
             work = max(kv, scores) if torch_family else kv  # torch ops write the [heads, q, k] scores; a fused kernel does not
             dev_us = curves.attention_us(batch, work, aflops, dtype, torch_family,
-                                         cold=per_node and curves.sweeps_caches(prev_bytes))
+                                         cold=per_node and curves.sweeps_caches(prev_bytes), decode=phase == "decode")
             if per_node and curves.batched_attention():  # the fit timed the whole call the program makes
                 launch_us = 0.0
             else:
                 dev_us += curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
+            if phase == "decode" and rec.get("impl") == "triton.paged_attention" and not curves.generated_attention:
+                # split-K decode attention: its partial results are combined by a second kernel (the reduce);
+                # a calibrated generated-attention fit timed both kernels already
+                part = curves.memory_us(2 * new_tokens * _heads(compute) * 4)
+                dev_us += max(part, per_launch) if graphs else part
+                launches += 1
+                host_us += per_launch
         elif gemm is not None:
-            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype,
-                                    path=_gemm_path(descriptor, rec, gemm[0], torch_family))
+            path = _gemm_path(descriptor, rec, gemm[0], torch_family)
+            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype, path=path)
+            for part in ([] if torch_family else _unfused_parts(rec, by_name, types, b, path)):
+                # what the GEMM path at these rows cannot absorb runs as its own kernel (codegen/kernels/gemm_group.py)
+                t = curves.memory_us(part)
+                dev_us += max(t, per_launch) if graphs else t
+                launches += 1
+                host_us += per_launch
             bound = "compute" if flops / (curves.peak_tflops(dtype) * 1e6) > nbytes / (curves.bandwidth_gbps * 1e3) else "memory"
             if per_node:  # the GEMM curve was timed through the linear op's reference call: its host cost included
                 launch_us = 0.0
@@ -211,6 +228,31 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         total = max(device_us, host_us)
     host = host_us / 1e3 if not (torch_family or graphs) else 0.0
     return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs, host)
+
+
+def _heads(nodes: list[Node]) -> int:
+    """Query heads x head dim of the group's attention node (the width of one token's attention output)."""
+    for n in nodes:
+        if n.op == "attention":
+            return int(n.attrs.get("num_heads", 1)) * int(n.outputs[0].type.shape[-1])
+    return 0
+
+
+def _unfused_parts(rec: Mapping[str, Any], by_name: Mapping[str, Node], types: Mapping[str, TensorType],
+                   b: Mapping[str, int], path: str) -> list[int]:
+    """Bytes of each kernel a GEMM group's fused neighbours become on this path: the norm prologue is
+    computed inside the few-rows kernel only (elsewhere it is its own reduction kernel), and the epilogue
+    (an activation, a product) runs inside a generated GEMM but after the vendor GEMM as its own pointwise
+    kernel. Each part moves its inputs from outside it and its outputs."""
+    parts = []
+    for key, absorbed in (("prologue", path == "gemv"), ("epilogue", path != "vendor")):
+        names = [n for n in rec.get(key) or [] if n in by_name]
+        if absorbed or not names:
+            continue
+        inside = {o.name for n in names for o in by_name[n].outputs}
+        ins = {i for n in names for i in by_name[n].inputs if i and i not in inside and i in types}
+        parts.append(sum(types[i].nbytes(b) for i in ins) + sum(types[o].nbytes(b) for o in inside if o in types))
+    return parts
 
 
 def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool) -> str:

@@ -67,6 +67,8 @@ class Curves:
     crossover_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same paths at K = N = crossover_small_k
     crossover_small_k: int = 0
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
+    generated_kernel_us: float | None = None  # what each further generated kernel adds to an eager step's host time
+    generated_attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps of the generated decode attention
     attention_kernel: str | None = None  # what the attention calibration timed
     torch_nodes: Mapping[str, Mapping[str, float]] = None  # torch family: op -> {us, bytes, big_us, big_bytes}
     torch_step_us: float = 0.0  # torch family: what run() pays once per step (the step state)
@@ -97,6 +99,7 @@ class Curves:
                                    if f"{path}_us" in p) for path in ("triton", "gemv")}  # fmt: skip
         launch = cal.get("launch_us") or {}
         attn = cal.get("attention") or {}
+        gen = cal.get("attention_generated") or {}
         return Curves(
             bandwidth_gbps=float(raw["memory"]["bandwidth_gbps"]), tflops=dict(raw["throughput_tflops"]),
             launch_us=float(launch.get("eager_us") or raw.get("launch_overhead_us") or 5.0),
@@ -107,6 +110,8 @@ class Curves:
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             crossover_small={k: v for k, v in paths_small.items() if v}, crossover_small_k=int(cross.get("k_small") or 0),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
+            generated_kernel_us=launch.get("triton_kernel_us"),
+            generated_attention={k: float(gen[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in gen else None,
             torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
             threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
             cache_bytes=cal.get("cache_knee_bytes"),
@@ -187,7 +192,7 @@ class Curves:
         return "sdpa" in str(self.attention_kernel or "") and self.attention is not None
 
     def attention_us(self, batch: int, kv_bytes: float, flops: float, dtype: str, torch_family: bool,
-                     cold: bool = False) -> float:
+                     cold: bool = False, decode: bool = True) -> float:
         """Paged attention of ``batch`` sequences reading ``kv_bytes`` of cache: the fit, else bytes and FLOPs.
         ``cold`` (torch family): right after a kernel that swept the caches, its host part costs ``cold_factor``x."""
         compute = flops / (self.peak_tflops(dtype) * 1e6)
@@ -200,5 +205,8 @@ class Curves:
             if cold:
                 f = max(f, self.cold_factor())
             return (a["fixed_us"] + a["per_seq_us"] * batch) * f + kv_bytes / (a["gbps"] * 1e3) + compute
+        if decode and not torch_family and self.generated_attention:  # the generated decode kernels, as a step runs them
+            a = self.generated_attention
+            return max(a["fixed_us"] + a["per_seq_us"] * batch + kv_bytes / (a["gbps"] * 1e3), compute)
         # the cache is read once per step: at the DRAM/HBM rate, not the cache-hot rate of a small sweep size
         return max(self.memory_us(kv_bytes), kv_bytes / (self.bandwidth_gbps * 1e3), compute)

@@ -204,3 +204,56 @@ def test_gemv_block_choices_match_every_row_count_and_stay_cheap_for_huge_limits
     t0 = time.perf_counter()
     assert len(gemv_block_choices(1 << 30, 4096)) == 31
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_the_generated_attention_program_calibration_times_is_paged_decode_attention(tmp_path):
+    """calibrate times decode attention for Triton targets through a generated one-attention program
+    (backends/calibration_runner.one_attention); here that program, under the Triton interpreter in float32,
+    on the calibration's own paged case, against torch SDPA over the cache's tokens plus the new K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    from portlayer.backends.calibration_runner import _program, one_attention
+    from portlayer.capabilities.calibrate_attention import paged_case
+    from portlayer.capabilities.descriptor import load_descriptor
+    from portlayer.passes.pipeline import run_pipeline
+
+    hq, hkv, d = heads = (4, 2, 16)
+    batch, context = 2, 20
+    cpu = torch.device("cpu")
+    prog = _program(run_pipeline, one_attention(heads, torch.float32), load_descriptor("nvidia-h200"), torch.float32,
+                    cpu, tmp_path / "attention", 0, 0)
+    (q, k, v), ctx, _ = paged_case(batch, context, heads, torch.float32, cpu)
+    kc, vc = (c.clone() for c in ctx.kv_cache[0])  # the cache before the program writes the new token
+    out = prog.run({"q": q, "k": k, "v": v}, ctx.attn_metadata, ctx.kv_cache)[0]
+    for b in range(batch):
+        blocks = ctx.attn_metadata.block_tables[b].tolist()
+        keys = torch.cat([kc[blocks].reshape(-1, hkv, d)[:context], k[b:b + 1]])  # [context + 1, hkv, d]
+        vals = torch.cat([vc[blocks].reshape(-1, hkv, d)[:context], v[b:b + 1]])
+        rep = hq // hkv
+        want = F.scaled_dot_product_attention(q[b][:, None], keys.transpose(0, 1).repeat_interleave(rep, 0),
+                                              vals.transpose(0, 1).repeat_interleave(rep, 0), scale=d**-0.5)
+        torch.testing.assert_close(out[b], want[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
+    """Sizes.cold_bytes (the GPU presets: 512 MiB): the curve cycles through weight copies, so a small weight is
+    not timed from a cache it would never sit in during a decode step; 0 (the CPU presets) keeps one weight."""
+    import dataclasses
+
+    import torch
+
+    from portlayer.capabilities.calibrate_gemm import measure_small_m
+    from portlayer.capabilities.calibrate_timing import CPU_QUICK, GPU_QUICK, Progress
+
+    assert GPU_QUICK.cold_bytes >= 256 << 20 and CPU_QUICK.cold_bytes == 0
+    for cold, want in ((4 * 64 * 64 * 4, 4), (0, 1)):
+        seen: list[int] = []
+
+        def run(x, w, out, seen=seen):
+            seen.append(w.data_ptr())
+            return torch.mm(x, w.t(), out=out)
+
+        sizes = dataclasses.replace(CPU_QUICK, cold_bytes=cold, gemm_ms=(1, 2), reps=1, budget_s=0.01, warmup=1)
+        rows = measure_small_m(torch.device("cpu"), "fp32", sizes, Progress(enabled=False), k=64, run=run)
+        assert len(rows) == 2 and len(set(seen)) == want

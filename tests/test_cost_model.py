@@ -225,3 +225,57 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
     del raw["calibration"]["gemm_crossover"]["points_small"]  # one size only: proportional to K*N, as before
     c = Curves.from_descriptor(raw)
     assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))
+
+
+def test_what_a_gemm_path_cannot_fuse_is_counted_as_its_own_kernel(gpu):
+    """At one row the few-rows kernel computes the norm prologue and the SiLU*up epilogue inside itself; at 64
+    rows the vendor GEMM runs them as their own reduction and pointwise kernels (codegen/kernels/gemm_group.py):
+    one more launch per fused prologue and per fused epilogue, and more time."""
+    raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
+    assert raw["tuning"]["gemv_max_tokens"] == 1 and raw["tuning"]["triton_gemm_max_tokens"] == 0
+    recs = [k for k in gpu.graph.meta["kernels"] if k.get("family") == "gemm"]
+    fused = sum(bool(k.get("prologue")) + bool(k.get("epilogue")) for k in recs)
+    assert fused > 0
+    one = predict(gpu.graph, gpu.plan, raw, "decode", batch=1, context=16)
+    many = predict(gpu.graph, gpu.plan, raw, "decode", batch=64, context=16)
+    assert many.launches - one.launches == fused
+
+
+def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(gpu):
+    """Calibration times an eager one-kernel and two-kernel generated program: the step's host time is the
+    one-kernel step plus the difference for every further kernel (not the whole step per kernel)."""
+    raw = synthetic("nvidia-h200", bandwidth=1e12, tflops=1e12)
+    raw["calibration"] = {"launch_us": {"eager_us": 5.0, "triton_us": 60.0, "triton_kernel_us": 10.0}}
+    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
+    assert not p.graphs and p.host_ms == pytest.approx((50.0 + 10.0 * p.launches) / 1e3, rel=1e-6)
+    del raw["calibration"]["launch_us"]["triton_kernel_us"]
+    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)
+    assert p.host_ms == pytest.approx(60.0 * p.launches / 1e3, rel=1e-6)
+
+
+def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
+    """With calibration.attention_generated (the generated split-K kernel and its reduce, timed as a step runs
+    them) a Triton target's decode attention follows its fit: more context adds the extra KV bytes at the fit's
+    rate, more sequences add per_seq_us each; prefill attention is not taken from the decode fit."""
+    raw = synthetic("nvidia-h200", bandwidth=4000.0)
+    fit = {"fixed_us": 5.0, "per_seq_us": 0.5, "gbps": 1000.0}
+    raw["calibration"] = {"attention_generated": {**fit, "points": []}}
+
+    def attn(p):
+        return sum(g.us for g in p.groups if g.bound == "attention")
+
+    layers = sum(1 for k in gpu.graph.meta["kernels"] if k.get("family") == "attention")
+    a = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64)
+    b = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=128)
+    c = predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64)
+    import torch
+
+    node = next(n for n in gpu.graph.nodes if n.op == "attention")
+    item = torch.empty(0, dtype=getattr(torch, gpu.graph.value_types()[node.inputs[1]].dtype)).element_size()
+    kv_per_token = 2 * KV_HEADS * HEAD_DIM * item * 4  # K and V in the cache's dtype, 4 sequences
+    assert attn(b) - attn(a) == pytest.approx(layers * 64 * kv_per_token / (fit["gbps"] * 1e3), rel=1e-6)
+    extra_q_out = attn(c) - attn(a) - layers * 4 * fit["per_seq_us"] - layers * 65 * kv_per_token / (fit["gbps"] * 1e3)
+    assert 0 <= extra_q_out < 0.05 * attn(c)  # what remains: the q and output bytes of 4 more tokens
+    pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)
+    del raw["calibration"]
+    assert attn(pre) == pytest.approx(attn(predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)), rel=1e-9)

@@ -164,3 +164,34 @@ def test_every_generated_kernel_is_found_by_its_launch_familys_prefix(captured, 
     for spec in gen.kernels.values():
         owners = [f for f in families if spec.fn.startswith(kernel_prefixes(f))]
         assert len(owners) == 1, (spec.fn, owners)
+
+
+def test_descriptor_launch_defaults_replace_the_rule_and_a_tuning_file_still_wins(cache):
+    """The H200 descriptor ships launch parameters measured on that device (tuning.launch_defaults); the
+    plan takes them over the rule-derived ones and says so, and a tuning file made by `portlayer tune`
+    on the host replaces them in turn."""
+    d = load_descriptor("nvidia-h200")
+    measured = d.tuning["launch_defaults"]
+    plan = negotiate(_req(), d)
+    for fam, params in measured.items():
+        dec = plan.decision(f"launch.{fam}")
+        assert {k: dec.value[k] for k in params} == params
+        assert "descriptor tuning.launch_defaults" in dec.reason
+    tuned = {**plan.value("launch.gemm"), "BLOCK_M": 64, "BLOCK_N": 64}
+    _file(config=tuned).save(default_path(d.name, d.sha256))
+    assert negotiate(_req(), d).value("launch.gemm") == tuned
+
+
+@pytest.mark.parametrize("bad, match", [({"gemv_joint": {"TILE": 8192}}, "not a kernel family"),
+                                        ({"gemv": {"TILES": 8192}}, "do not take")])
+def test_descriptor_launch_defaults_naming_what_no_kernel_takes_is_refused(tmp_path, bad, match):
+    import copy
+
+    from portlayer.capabilities.descriptor import Descriptor, DescriptorError
+
+    raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
+    raw["tuning"]["launch_defaults"] = bad
+    d = Descriptor.from_dict(raw, origin=str(tmp_path / "mine.json"))
+    with pytest.raises(DescriptorError, match=match) as e:
+        negotiate(_req(), d)
+    assert "mine.json" in str(e.value) and "tuning.launch_defaults" in str(e.value)
