@@ -204,8 +204,8 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             n = timer.launches.get(fam)
             say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
                 f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}; "
-                + (f"device time of its {n} kernel launches" if n else "wall time of the two steps (no kernel of it "
-                   "seen by a CUDA profiler)"))
+                + (f"device time of its {n} kernel launches" if n else "wall time of the timed steps (no CUDA profiler "
+                   "here)"))
             slowest = max(slowest, time.perf_counter() - t0)
             if on_family is not None:
                 on_family(out)

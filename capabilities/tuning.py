@@ -174,6 +174,8 @@ def apply_descriptor_defaults(decisions: list[Any], descriptor: Any) -> list[Any
     source = descriptor.raw.get("sources", {}).get("tuning.launch_defaults", "")
     for fam, params in measured.items():
         d = by_name.get(f"launch.{fam}")
+        if d is not None and d.reason.startswith("user override"):  # the user's config stands as given
+            continue
         if d is None or not isinstance(d.value, dict) or not d.value:
             known = sorted(k.removeprefix("launch.") for k, v in by_name.items() if k.startswith("launch.") and v.value)
             raise DescriptorError(descriptor.origin, f"$.tuning.launch_defaults.{fam}", "kernel family",

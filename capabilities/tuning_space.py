@@ -74,4 +74,6 @@ def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: 
         out += [{**base, "num_warps": w} for w in _warps(w0, warp, cu.max_threads_per_unit)]
     else:
         out += [{**base, "num_warps": w} for w in _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)]
-    return _dedupe(out)[:limit]
+    from portlayer.capabilities.tuning import MAX_VALUE
+
+    return _dedupe([c for c in out if all(0 < v <= MAX_VALUE for v in c.values())])[:limit]  # what a tuning file holds

@@ -193,7 +193,9 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
                 launches += 1
                 host_us += per_launch
         elif gemm is not None:
-            path = _gemm_path(descriptor, rec, gemm[0], torch_family)
+            biggest = max(types[n.inputs[1]].nbytes({}) for n in compute
+                          if n.op in ("linear", "linear_wq", "matmul") and len(n.inputs) > 1 and n.inputs[1] in types)
+            path = _gemm_path(descriptor, rec, gemm[0], torch_family, biggest)
             dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype, path=path)
             for part in ([] if torch_family else _unfused_parts(rec, by_name, types, b, path)):
                 # what the GEMM path at these rows cannot absorb runs as its own kernel (codegen/kernels/gemm_group.py)
@@ -255,13 +257,16 @@ def _unfused_parts(rec: Mapping[str, Any], by_name: Mapping[str, Node], types: M
     return parts
 
 
-def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool) -> str:
-    """Which GEMM codegen runs at M rows (codegen/gemm_rule.py's thresholds from the descriptor)."""
+def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool,
+               weight_bytes: int = 0) -> str:
+    """Which GEMM codegen runs at M rows (codegen/gemm_rule.py's thresholds from the descriptor; a weight over
+    tuning.gemv_max_weight_mib keeps the vendor GEMM at every row count, codegen/kernels/gemm_group.py)."""
     impl = rec.get("impl")
     if torch_family or impl not in ("triton.gemm", "triton.gemm_wq"):
         return "vendor"
     tuning = descriptor.get("tuning") or {}
-    if m <= int(tuning.get("gemv_max_tokens", 0)):
+    cap = float(tuning.get("gemv_max_weight_mib", 0)) * 2**20
+    if m <= int(tuning.get("gemv_max_tokens", 0)) and (cap <= 0 or weight_bytes <= cap):
         return "gemv"
     if impl == "triton.gemm_wq":  # weight-only quantized: always a generated kernel
         return "triton"

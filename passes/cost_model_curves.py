@@ -40,6 +40,8 @@ def _fixed_plus_proportional(big_us: float, small_us: float, big_k: int, small_k
                              fixed_factor: float = 1.0) -> float:
     """A GEMM timed at K = N = big_k and small_k: a fixed cost (scaled by ``fixed_factor``) plus a part
     proportional to K*N, evaluated at ``kn``."""
+    if big_k <= small_k:  # one size only (a hand-written descriptor): proportional to K*N from the big one
+        return big_us * kn / max(big_k, 1) ** 2 * fixed_factor
     per = max(0.0, (big_us - small_us) / (big_k**2 - small_k**2))
     fixed = max(0.0, small_us - per * small_k**2) * fixed_factor
     return fixed + per * kn

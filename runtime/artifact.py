@@ -1,7 +1,8 @@
 """The compiled-artifact directory: atomic writing, the manifest, and verification on load.
 
 An artifact travels to machines that never saw the model, so nothing in it is trusted:
-every file is listed in manifest.json with its kind and sha256, and `verify_artifact`
+every file is listed in manifest.json with its kind and digest (its sha256; for a big file the sha256 of its
+64 MiB chunks' sha256s, "chunks:...", with the chunk list: runtime/file_hash.py), and `verify_artifact`
 refuses a missing, modified or unlisted file (naming it) before any generated code runs.
 Writes go to a temporary sibling directory renamed into place, so a crash or a
 concurrent compile never leaves a half-written artifact under the final name.

@@ -4,14 +4,13 @@ A file's single sha256 is one serial pass (~1.5 GB/s): 10 s for an 8B model's we
 than the load it guards. The manifest therefore also records the sha256 of each fixed-size
 chunk of a big file; verification checks the chunks in parallel threads (hashlib releases the
 GIL), so it runs at disk or page-cache speed. A big file's manifest digest is therefore the chunk
-list's (``chunk_tree``: "chunks:" + sha256), never a serial whole-file pass; check one by hand with
-``split -b 64M`` and ``sha256sum``.
+list's (``chunk_tree``: "chunks:" + the sha256 of "67108864:" followed by the chunks' hex sha256s, in
+order), never a serial whole-file pass; check one by hand with ``split -b 64M`` and ``sha256sum``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import threading
 import time
@@ -56,18 +55,32 @@ def chunk_tree(chunks: list[str], chunk_bytes: int | None = None) -> str:
     return "chunks:" + hashlib.sha256(f"{cb}:".encode() + "".join(chunks).encode()).hexdigest()
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def _chunk_list(info: Mapping[str, Any], size: int) -> list[str] | None:
+    """The entry's chunk digests when they are well formed for a file of ``size`` bytes: chunk_bytes exactly
+    CHUNK_BYTES (what the writer uses; an untrusted huge one made the count 0 and skipped every hash, a tiny one
+    would exhaust memory), one 64-hex-digit sha256 per chunk, at least one chunk; else None."""
+    cb, chunks = info.get("chunk_bytes"), info.get("chunks_sha256")
+    if type(cb) is not int or cb != CHUNK_BYTES or not isinstance(chunks, list) or size <= 0:
+        return None
+    if len(chunks) != -(-size // cb) or not all(isinstance(c, str) and len(c) == 64 and set(c) <= _HEX for c in chunks):
+        return None
+    return chunks
+
+
 def bytes_match(data: bytes, info: Mapping[str, Any]) -> bool:
     """Whether ``data`` (a file read whole) is what manifest entry ``info`` (untrusted) names: its sha256,
-    or its chunk tree when the digest is one ("chunks:...", with a well-formed positive chunk_bytes)."""
+    or its chunk tree when the digest is one ("chunks:...", with well-formed chunk fields, see _chunk_list)."""
     digest = info.get("sha256")
     if not isinstance(digest, str):
         return False
     if not digest.startswith("chunks:"):
         return hashlib.sha256(data).hexdigest() == digest
-    cb = info.get("chunk_bytes")
-    if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0:
+    if _chunk_list(info, len(data)) is None:
         return False
-    view = memoryview(data)
+    view, cb = memoryview(data), CHUNK_BYTES
     return chunk_tree([hashlib.sha256(view[i:i + cb]).hexdigest() for i in range(0, len(data), cb)], cb) == digest
 
 
@@ -118,9 +131,10 @@ def content_digests(paths: list[Path]) -> list[str]:
 
 
 def chunks_match(path: Path, info: Mapping[str, Any]) -> bool | None:
-    """True/False when ``info`` (a manifest entry, untrusted) has well-formed chunk hashes for a file of
-    this size; None when it has none (check the whole-file sha256 instead). An entry whose digest is
-    the chunk tree ("chunks:...") must agree with its own chunk list, else False."""
+    """Whether the file is what manifest entry ``info`` (untrusted) names, checked chunk by chunk in parallel:
+    only for a chunk-tree digest ("chunks:..."), whose chunk list must be well formed (_chunk_list) and agree
+    with the digest, else False. None for a plain sha256 digest: a chunk list beside it is not tied to it,
+    so the caller checks the whole-file sha256."""
     check = ChunkCheck()
     try:
         queued = check.add(str(path), path, info)
@@ -148,17 +162,16 @@ class ChunkCheck:
         self.bytes = 0
 
     def add(self, key: str, path: Path, info: Mapping[str, Any]) -> bool | None:
-        """Queue ``path``'s chunks against manifest entry ``info`` (untrusted): True when queued, None
-        when the entry has no well-formed chunk hashes for a file of this size, False when its digest
-        contradicts its own chunk list (a mismatch, nothing to hash)."""
-        cb, chunks = info.get("chunk_bytes"), info.get("chunks_sha256")
-        size = path.stat().st_size
-        if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or not isinstance(chunks, list):
-            return None
-        if len(chunks) != math.ceil(size / cb) or not all(isinstance(c, str) for c in chunks) or size == 0:
-            return None
+        """Queue ``path``'s chunks against manifest entry ``info`` (untrusted): True when queued; None for a
+        plain sha256 digest (the caller checks the whole file); False when a chunk-tree digest's chunk list
+        is malformed or disagrees with it (a mismatch, nothing to hash). The rules of ``chunks_match``."""
         digest = info.get("sha256")
-        if isinstance(digest, str) and digest.startswith("chunks:") and digest != chunk_tree(chunks, cb):
+        if not (isinstance(digest, str) and digest.startswith("chunks:")):
+            return None
+        size = path.stat().st_size
+        chunks = _chunk_list(info, size)
+        cb = CHUNK_BYTES
+        if chunks is None or digest != chunk_tree(chunks, cb):
             return False
         with self._lock:
             if self._sealed:

@@ -51,6 +51,8 @@ def big_weights(art, monkeypatch):
     others = [p for p in path.rglob("*") if p.is_file() and p.name != A.WEIGHTS and p.stat().st_size >= size]
     assert not others, f"{others} are not smaller than the weights"
     monkeypatch.setattr(A, "HOLD_MAX_BYTES", size - 1)
+    monkeypatch.setattr(file_hash, "CHUNKED_MIN_BYTES", 1 << 10)  # the chunk size it was compiled with
+    monkeypatch.setattr(file_hash, "CHUNK_BYTES", 1 << 16)
     monkeypatch.delenv("PORTLAYER_VERIFY_WAIT", raising=False)
     return path
 

@@ -197,3 +197,26 @@ def test_a_cold_model_hash_overlaps_the_capture_imports_and_is_the_same_hash(tin
     assert ran == ["portlayer-prewarm"]
     monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "cold2"))
     assert got == cache.model_dir_hash(d)
+
+
+def test_forged_chunk_fields_never_pass_a_modified_file(tmp_path, small_chunks):
+    """Manifest entries are untrusted. A chunk size so large the float count underflowed to 0 chunks, a chunk list
+    of the modified bytes beside the original plain sha256, a tiny chunk size (a memory blow-up), malformed
+    digests: each is refused (False) or sent to the whole-file check (None), never accepted."""
+    orig = os.urandom(5 * small_chunks + 7)
+    path = tmp_path / "w.bin"
+    path.write_bytes(orig[:-1] + bytes([orig[-1] ^ 1]))  # modified after the "manifest" below was made
+    real = hashlib.sha256(orig).hexdigest()
+    tree = _tree(orig, small_chunks)
+    bad = path.read_bytes()
+    assert file_hash.chunks_match(path, {"sha256": real, "chunk_bytes": 1 << 1100, "chunks_sha256": []}) is None
+    assert file_hash.chunks_match(path, {"sha256": tree, "chunk_bytes": 1 << 1100, "chunks_sha256": []}) is False
+    assert file_hash.chunks_match(path, {"sha256": real, "chunk_bytes": small_chunks,
+                                         "chunks_sha256": _chunk_shas(bad, small_chunks)}) is None  # whole-file check
+    for cb, chunks in ((1, _chunk_shas(bad, 1)[:3]), (small_chunks, ["x" * 64] * 6), (small_chunks, [])):
+        assert file_hash.chunks_match(path, {"sha256": tree, "chunk_bytes": cb, "chunks_sha256": chunks}) is False
+    assert file_hash.bytes_match(bad, {"sha256": _tree(bad, 1), "chunk_bytes": 1}) is False  # no 1-byte chunks
+    assert file_hash.bytes_match(bad, {"sha256": _tree(bad, small_chunks), "chunk_bytes": small_chunks,
+                                       "chunks_sha256": _chunk_shas(bad, small_chunks)}) is True
+    assert file_hash.bytes_match(bad, {"sha256": tree, "chunk_bytes": small_chunks,
+                                       "chunks_sha256": _chunk_shas(orig, small_chunks)}) is False

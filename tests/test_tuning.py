@@ -195,3 +195,13 @@ def test_descriptor_launch_defaults_naming_what_no_kernel_takes_is_refused(tmp_p
     with pytest.raises(DescriptorError, match=match) as e:
         negotiate(_req(), d)
     assert "mine.json" in str(e.value) and "tuning.launch_defaults" in str(e.value)
+
+
+def test_a_user_override_of_a_launch_config_stands_over_the_descriptors_measured_one(cache):
+    """--override launch.gemv=...: the user's config is used as given, not patched with the descriptor's
+    tuning.launch_defaults, and a partial one is not blamed on the shipped descriptor."""
+    d = load_descriptor("nvidia-h200")
+    mine = {"num_warps": 4, "TILE": 4096, "PROGRAMS": 264, "num_stages": 1}
+    plan = negotiate(_req(), d, {"launch.gemv": mine, "launch.attention_decode": {"num_warps": 4}})
+    assert plan.value("launch.gemv") == mine and plan.decision("launch.gemv").reason.startswith("user override")
+    assert plan.value("launch.attention_decode") == {"num_warps": 4}
