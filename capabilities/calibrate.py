@@ -234,10 +234,10 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
     if facts.get("memory_bytes"):
         patch["memory"]["capacity_gb"] = sig(facts["memory_bytes"] / 1e9)
         sources["memory.capacity_gb"] = f"{stamp}: total memory reported by the runtime"
-    for key, what in (("triton_gemm_max_tokens", "vendor GEMM vs generated Triton GEMM crossover in M"),):
-        if results.get(key) is not None:
-            patch.setdefault("tuning", {})[key] = int(results[key])
-            sources[f"tuning.{key}"] = f"{stamp}: {what} (calibration.gemm_crossover)"
+    if results.get("triton_gemm_max_tokens") is not None:
+        patch.setdefault("tuning", {})["triton_gemm_max_tokens"] = int(results["triton_gemm_max_tokens"])
+        sources["tuning.triton_gemm_max_tokens"] = (f"{stamp}: vendor GEMM vs generated Triton GEMM crossover in M "
+                                                    "(calibration.gemm_crossover)")
     if results.get("gemv_max_tokens") is not None and "tuning.gemv_max_tokens" in sources:
         # the bare few-rows kernel against the vendor GEMM leaves out what it fuses (the norm prologue, the
         # epilogue; launches saved): on the H200 it lost at M=1 (14.8 vs 13.2 us at K=N=4096) while the

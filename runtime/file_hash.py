@@ -47,12 +47,11 @@ def _whole(path: Path) -> str:
     return _hash_range(path, 0, path.stat().st_size)
 
 
-def chunk_tree(chunks: list[str], chunk_bytes: int | None = None) -> str:
-    """The digest a big file is known by: "chunks:" + the sha256 of its chunk size and its chunks' sha256s.
-    Any changed byte changes it, as it would the file's own sha256, and it is computed from hashes
-    taken in parallel instead of one serial pass over the file."""
-    cb = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    return "chunks:" + hashlib.sha256(f"{cb}:".encode() + "".join(chunks).encode()).hexdigest()
+def chunk_tree(chunks: list[str]) -> str:
+    """The digest a big file is known by: "chunks:" + the sha256 of the chunk size (CHUNK_BYTES, the only one
+    accepted) and its chunks' sha256s. Any changed byte changes it, as it would the file's own sha256, and it
+    is computed from hashes taken in parallel instead of one serial pass over the file."""
+    return "chunks:" + hashlib.sha256(f"{CHUNK_BYTES}:".encode() + "".join(chunks).encode()).hexdigest()
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -81,7 +80,7 @@ def bytes_match(data: bytes, info: Mapping[str, Any]) -> bool:
     if _chunk_list(info, len(data)) is None:
         return False
     view, cb = memoryview(data), CHUNK_BYTES
-    return chunk_tree([hashlib.sha256(view[i:i + cb]).hexdigest() for i in range(0, len(data), cb)], cb) == digest
+    return chunk_tree([hashlib.sha256(view[i:i + cb]).hexdigest() for i in range(0, len(data), cb)]) == digest
 
 
 def hashes(path: Path) -> dict[str, Any]:
@@ -171,7 +170,7 @@ class ChunkCheck:
         size = path.stat().st_size
         chunks = _chunk_list(info, size)
         cb = CHUNK_BYTES
-        if chunks is None or digest != chunk_tree(chunks, cb):
+        if chunks is None or digest != chunk_tree(chunks):
             return False
         with self._lock:
             if self._sealed:
