@@ -8,6 +8,19 @@ from pathlib import Path
 from ir_samples import tiny_decoder
 
 
+def save_tiny_llama(d: Path, hidden: int, intermediate: int, max_positions: int, dtype=None) -> Path:
+    """A seeded random 2-layer Llama (vocab 256, 4 heads / 2 KV heads) saved as an HF directory at ``d``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    (model.to(dtype) if dtype is not None else model).save_pretrained(d)
+    return d
+
+
 def sample_graph(seed: int = 0):
     g = tiny_decoder(seed)
     g.meta.update(task="causal_lm", vocab_size=32, max_positions=64)

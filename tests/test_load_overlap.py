@@ -29,13 +29,9 @@ PROMPT = [5, 17, 200, 3, 99, 42, 7, 1, 250, 64, 11]
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from artifact_samples import save_tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-    d = tmp_path_factory.mktemp("overlap") / "model"
-    LlamaForCausalLM(cfg).save_pretrained(d)
+    d = save_tiny_llama(tmp_path_factory.mktemp("overlap") / "model", hidden=96, intermediate=192, max_positions=128)
     with pytest.MonkeyPatch.context() as mp:  # chunk hashes for a file of ~1 MiB: 64 KiB chunks
         mp.setattr(file_hash, "CHUNKED_MIN_BYTES", 1 << 10)
         mp.setattr(file_hash, "CHUNK_BYTES", 1 << 16)

@@ -95,15 +95,12 @@ def test_precision_pass_casts_lazily(tiny_dirs):
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory):
     """A tiny Llama saved in bf16 (as big checkpoints ship), and the artifact compiled for the CPU (fp32 compute)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from artifact_samples import save_tiny_llama
 
     import portlayer
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    d = tmp_path_factory.mktemp("bf16-llama") / "model"
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    d = save_tiny_llama(tmp_path_factory.mktemp("bf16-llama") / "model", hidden=64, intermediate=128, max_positions=256,
+                        dtype=torch.bfloat16)
     art = portlayer.compile(d, target="cpu-x86_64", output=d.parent / "art", progress=False)
     return d, art.path
 
