@@ -86,7 +86,7 @@ def kernel_prefixes(family: str) -> tuple[str, ...]:
 
 def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, rounds: int = 3) -> tuple[float, int]:
     """Device microseconds per call-set of ``family``'s kernels, and their launches per set: each of ``fns``
-    (a decode and a prefill step) run ``iters`` times under the CUDA profiler, the kernels whose names start
+    (the decode steps and a prefill) run ``iters`` times under the CUDA profiler, the kernels whose names start
     with the family's prefix summed; the best of ``rounds``. Kernel time alone: a step's wall time is
     mostly host launch cost and the other families, whose noise picked wrong configs (-30% at batch 1)."""
     from torch.profiler import ProfilerActivity, profile
@@ -122,7 +122,6 @@ class StepTimer:
         self.steps = [_step_inputs(graph, [1] * b, [context] * b, block, dtype, self.device) for b in batches]
         self.steps.append(_step_inputs(graph, [prefill], [0], block, dtype, self.device))
         self.launches: dict[str, int] = {}  # family -> its kernels' launches per set of steps
-        self.clock = "wall time of the decode steps + a prefill step"
 
     def __call__(self, launch: dict[str, dict[str, int]], family: str | None = None) -> float:
         """Microseconds under ``launch``: on CUDA the device time of ``family``'s kernels in one decode step per
@@ -141,7 +140,6 @@ class StepTimer:
                     else (0.0, 0))  # fmt: skip
             if n:
                 self.launches[family] = n
-                self.clock = "device time of the family's kernels (CUDA profiler) in the decode steps + a prefill step"
             else:
                 t = sum(_time(fn, self.device, self.iters) for fn in steps)
         del prog, steps  # its weights, buffers and captured graphs: one candidate's program on the device at a time
