@@ -197,7 +197,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["old", "new", "sweep", "splits", "sdpa"],
                     choices=["old", "new", "sweep", "splits", "sdpa"])
     ap.add_argument("--descriptor", default="nvidia-h200")
-    ap.add_argument("--deadline-s", type=float, default=200.0, help="stop starting new shapes after this")
+    ap.add_argument("--deadline-s", type=float, default=170.0, help="no new shape is started after this many seconds (the run stays under 4 minutes)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from portlayer.capabilities.descriptor import load_descriptor
