@@ -279,3 +279,20 @@ def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
     pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)
     del raw["calibration"]
     assert attn(pre) == pytest.approx(attn(predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)), rel=1e-9)
+
+
+def test_decode_reduce_is_counted_only_at_batches_that_split(gpu):
+    """The host program splits each sequence's KV while batch x KV heads is short of two waves of the compute
+    units; past that one kernel writes the output (codegen/kernels/attention.py): the prediction counts the
+    reduce launch per attention layer only where the split count is above 1. At 8 compute units and 2 KV heads:
+    batch 4 gives 8 programs (2 splits), batch 8 gives 16 (one split)."""
+    raw = synthetic("nvidia-h200", bandwidth=4000.0)
+    raw["compute_units"]["count"] = 8
+    layers = sum(1 for k in gpu.graph.meta["kernels"] if k.get("family") == "attention")
+    assert layers and KV_HEADS == 2
+    four = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64)
+    eight = predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64)
+    assert four.launches - eight.launches == layers
+    raw["compute_units"]["count"] = 132  # a big device splits both batches: the same launches
+    assert predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64).launches == \
+        predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64).launches == four.launches

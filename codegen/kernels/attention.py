@@ -18,10 +18,15 @@ SPLIT_WAVES = 2
 MAX_TILE_ELEMENTS = 16384
 
 
-def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
+def max_decode_splits(compute_units: int, num_kv_heads: int) -> int:
     """The most KV splits a decode sequence gets (MAX_SPLITS, which sizes the scratch): enough programs to
-    cover the compute units at batch 1."""
-    return max(1, min(16, pow2(max(1, ctx.compute_units // max(1, num_kv_heads)))))
+    cover the compute units at batch 1, at most 16."""
+    return max(1, min(16, pow2(max(1, compute_units // max(1, num_kv_heads)))))
+
+
+def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
+    """max_decode_splits for the context's device."""
+    return max_decode_splits(ctx.compute_units, num_kv_heads)
 
 
 def decode_splits(num_decodes: int, num_kv_heads: int, compute_units: int, max_splits: int) -> int:
