@@ -226,8 +226,13 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     device_us = sum(g.us for g in groups)
     if torch_family:  # the host runs every op itself: times add
         total = device_us
-    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above)
-        total = device_us
+    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above),
+        # then what the host adds to a step that is waited for (static copies, replay call, output copy)
+        step = curves.graph_step_us(batch)
+        if step:  # the outputs are copied out of the graph's static buffers (read + write)
+            step += curves.memory_us(2 * sum(types[o].nbytes(b) for o in graph.outputs if o in types))
+            groups.append(GroupTime("step", "host", "other", step, 0, 0, "launch"))
+        total = device_us + step
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
     host = host_us / 1e3 if not (torch_family or graphs) else 0.0

@@ -107,7 +107,7 @@ class LoadedArtifact:
         runs a program step before (the engine's warm-up and every run come after this returns). On a
         mismatch what was built is dropped and the ArtifactError says which file differs.
         A load over 2 s says on stderr what it moved and how fast (weights are memory-mapped and
-        copied to the device one tensor at a time)."""
+        copied to the device through pinned staging buffers, codegen/weight_upload.py)."""
         t0 = time.perf_counter()
         try:
             exe = self._executable()

@@ -296,3 +296,22 @@ def test_decode_reduce_is_counted_only_at_batches_that_split(gpu):
     raw["compute_units"]["count"] = 132  # a big device splits both batches: the same launches
     assert predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64).launches == \
         predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64).launches == four.launches
+
+
+def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batch(gpu):
+    """calibration.graph_step (a replayed decode step's host cost when each step is waited for, at two batches):
+    a graph-replayed decode step is its kernels plus that cost at the step's batch (linear between the points)
+    plus copying the outputs out of the static buffers; eager steps and uncalibrated descriptors are unchanged."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    base = {b: predict(gpu.graph, gpu.plan, raw, "decode", batch=b, context=32) for b in (1, 8, 64)}
+    raw["calibration"] = {"graph_step": {"context": 16, "points": [{"batch": 1, "host_us": 40.0},
+                                                                    {"batch": 64, "host_us": 103.0}]}}
+    out_row_bytes = sum(t.nbytes({"num_tokens": 1, "num_seqs": 1, gpu.graph.meta.get("token_symbol", "num_tokens"): 1})
+                        for o, t in gpu.graph.value_types().items() if o in gpu.graph.outputs)
+    for b, host in ((1, 40.0), (8, 47.0), (64, 103.0)):
+        p = predict(gpu.graph, gpu.plan, raw, "decode", batch=b, context=32)
+        assert p.graphs
+        copy_us = 2 * b * out_row_bytes / (1000.0 * 1e3)
+        assert p.ms - base[b].ms == pytest.approx((host + copy_us) / 1e3, rel=1e-6)
+    pre = [predict(gpu.graph, gpu.plan, r, "prefill", tokens=16).ms for r in (raw, synthetic("nvidia-h200", 1000.0))]
+    assert pre[0] == pytest.approx(pre[1], rel=1e-9)
