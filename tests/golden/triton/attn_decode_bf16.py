@@ -7,7 +7,7 @@ sequence's tokens, BLOCK_N at a time, each token's cache row found through the b
 (page = bt[pos // BLOCK_SIZE], row = pos % BLOCK_SIZE), so a tile spans several pages (or part
 of one). num_splits is a runtime value (the host picks it per batch size, at most MAX_SPLITS,
 which sizes the scratch). With several splits, partial results (unnormalised output, running
-max, running sum) go to scratch and attn_decode_bf16_44d2e0_reduce merges the live splits; with one split the
+max, running sum) go to scratch and attn_decode_bf16_f524eb_reduce merges the live splits; with one split the
 program normalises and writes the output itself and no reduce runs.
 Cache layout: [num_blocks, BLOCK_SIZE, HKV, D].
 """
@@ -17,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def attn_decode_bf16_44d2e0(
+def attn_decode_bf16_f524eb(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -58,9 +58,9 @@ def attn_decode_bf16_44d2e0(
 
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     lo_tile = 0
-    per_split = (n_tiles - lo_tile + num_splits - 1) // num_splits
-    first = lo_tile + split * per_split
-    last = tl.minimum(first + per_split, n_tiles)
+    n_live = n_tiles - lo_tile  # split evenly: every split gets floor or ceil of n_live / num_splits tiles
+    first = lo_tile + (split * n_live) // num_splits
+    last = lo_tile + ((split + 1) * n_live) // num_splits
     tok = tl.load(query_start_ptr + seq).to(tl.int64)
     q = tl.load(q_ptr + tok * HQ * D + heads[:, None] * D + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
@@ -96,7 +96,7 @@ def attn_decode_bf16_44d2e0(
 
 
 @triton.jit
-def attn_decode_bf16_44d2e0_reduce(
+def attn_decode_bf16_f524eb_reduce(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
