@@ -231,6 +231,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         step = curves.graph_step_us(batch)
         if step:  # the outputs are copied out of the graph's static buffers (read + write)
             step += curves.memory_us(2 * sum(types[o].nbytes(b) for o in graph.outputs if o in types))
+        step += launches * curves.graph_node_us  # submitting the graph's nodes: not hidden when the step is waited for
+        if step:
             groups.append(GroupTime("step", "host", "other", step, 0, 0, "launch"))
         total = device_us + step
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace

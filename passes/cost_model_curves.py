@@ -78,6 +78,7 @@ class Curves:
     host_factor: float = 1.0  # torch family: one-token calls in a program's sequence vs each in a tight loop
     cache_bytes: int | None = None  # the sweep's cache knee: a kernel moving more leaves the next one cold
     graph_step: tuple[tuple[int, float], ...] = ()  # (batch, host us a replayed decode step adds when waited for)
+    graph_node_us: float = 0.0  # what each graph node adds to a replay that is waited for (host submission)
 
     def graph_step_us(self, batch: int) -> float:
         """Host time of a replayed decode step beyond its kernels (copies into the static buffers, the replay
@@ -129,6 +130,7 @@ class Curves:
             torch_nodes=dict(cal.get("torch_nodes") or {}), torch_step_us=float(launch.get("torch_step_us") or 0.0),
             threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
             cache_bytes=cal.get("cache_knee_bytes"),
+            graph_node_us=float(launch.get("graph_node_host_us") or 0.0),
             graph_step=tuple((int(p["batch"]), float(p["host_us"])) for p in (cal.get("graph_step") or {}).get("points", ())),
         )  # fmt: skip
 

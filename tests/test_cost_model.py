@@ -315,3 +315,16 @@ def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batc
         assert p.ms - base[b].ms == pytest.approx((host + copy_us) / 1e3, rel=1e-6)
     pre = [predict(gpu.graph, gpu.plan, r, "prefill", tokens=16).ms for r in (raw, synthetic("nvidia-h200", 1000.0))]
     assert pre[0] == pytest.approx(pre[1], rel=1e-9)
+
+
+def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(gpu):
+    """calibration.launch_us.graph_node_host_us: a replayed decode step pays it once per launch of the step
+    (launches counted by the model from the graph's kernel groups); eager prefill does not."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    before = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
+    pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms
+    raw["calibration"] = {"launch_us": {"eager_us": 1e-9, "graph_us": None, "graph_node_host_us": 0.75}}
+    after = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
+    assert after.launches == before.launches > 0
+    assert after.ms - before.ms == pytest.approx(after.launches * 0.75 / 1e3, rel=1e-6)
+    assert predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)
