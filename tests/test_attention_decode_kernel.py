@@ -1,7 +1,7 @@
 """The generated paged decode attention kernel (codegen/templates/triton/attention_decode.py.j2) under the
 Triton interpreter against torch SDPA (fp32 softmax) on a dense copy of the same KV: batch sizes, ragged and
 empty sequences, GQA groups, sliding window, softcap, page sizes 16 and 128, BLOCK_N smaller and larger than
-a page, and the split counts the host can pick (1: no reduce), plus the generated host program's launches."""
+a page, batch 1, 3 and 64, and the split counts the host can pick (1: no reduce), plus the generated host program's launches."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ CASES = {  # hq, hkv, lens, page, BLOCK_N, splits, window, softcap, dtype, prefi
     "mha_b1_one_split": (4, 4, [37], 16, 32, 1, 0, 0.0, "float32", 0),
     "gqa2_b3_long_one_3_splits": (4, 2, [1, 50, 203], 16, 64, 3, 0, 0.0, "float32", 0),
     "gqa4_padding_seq_max_splits": (8, 2, [0, 33, 17], 16, 16, 16, 0, 0.0, "float32", 0),
-    "gqa2_b40_after_prefills": (4, 2, [(7 * i) % 61 + 1 for i in range(40)], 16, 32, 2, 0, 0.0, "float32", 2),
+    "gqa2_b64_after_prefills": (4, 2, [(7 * i) % 61 + 1 for i in range(64)], 16, 32, 2, 0, 0.0, "float32", 2),
     "page128_tile_inside_page": (4, 2, [130, 5, 300], 128, 32, 2, 0, 0.0, "float32", 0),
     "page128_one_split_empty": (4, 1, [257, 1, 0], 128, 128, 1, 0, 0.0, "float32", 0),
     "window_splits_left_empty": (4, 2, [100, 10, 64], 16, 32, 4, 24, 0.0, "float32", 0),
