@@ -399,3 +399,18 @@ def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(
     assert after.launches == before.launches > 0
     assert after.ms - before.ms == pytest.approx(after.launches * 0.75 / 1e3, rel=1e-6)
     assert predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)
+
+
+def test_predicted_decode_launches_follow_the_programs_split_count(tmp_path):
+    """On a 4-unit device (tiny decoder: 2 KV heads) the program splits the decode attention at batch 1 (its
+    reduce runs) and not at batch 4 (one kernel writes the output): the model's launch count equals the
+    program's at both, counted by running it."""
+    from portlayer.capabilities.descriptor import Descriptor
+
+    raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
+    raw["compute_units"]["count"] = 4
+    small = Descriptor.from_dict(raw, "nvidia-h200 with 4 compute units")
+    fp32 = run_pipeline(tiny_decoder(tied=False), small, overrides={"compute_dtype": "float32"})
+    got = {b: _program_launches(fp32, b, tmp_path / f"b{b}") for b in (1, 4)}
+    for batch, launches in got.items():
+        assert predict(fp32.graph, fp32.plan, raw, "decode", batch=batch, context=16).launches == launches, batch
