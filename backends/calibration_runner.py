@@ -273,7 +273,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
     """Host microseconds a replayed decode step adds to its kernels when each step is waited for (as `portlayer
     bench` times it): the program's static-buffer copies, the replay call, the output copy and the wait.
     Timed at batch 1 and the largest batch of ``sizes.attn_points`` over a short context, minus the device time
-    the generated-attention fit gives the step's attention and one in-graph launch per embedding kernel."""
+    the generated-attention fit gives the step's attention (its three tiny embedding kernels stay in: ~1 us each)."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.capabilities.calibrate_attention import paged_case

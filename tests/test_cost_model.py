@@ -230,14 +230,16 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
 def test_the_timed_programs_own_cost_is_taken_off_the_generated_gemv_and_weights_are_read_at_the_best_read():
     """gemm_crossover.program_us (a 16x16 one-linear program timed the same way) minus one in-graph launch is
     what the timed program adds beyond its kernel: both sizes lose it, so the fit's fixed part does and the
-    proportional part does not. A GEMM's floor is its weight read at the sweep's fastest read, not the copy rate."""
+    proportional part does not. A GEMM's floor is its weight read at the sweep's read rate past the caches (its
+    largest working set), not the copy rate and not a cache's read rate."""
     raw = synthetic("nvidia-h200", bandwidth=1000.0)
     big, small = {1: 12.0}, {1: 6.0}
     cross = {"k": 4096, "k_small": 512,
              "points": [{"m": m, "triton_us": 50.0, "vendor_us": 20.0, "gemv_us": us} for m, us in big.items()],
              "points_small": [{"m": m, "triton_us": 9.0, "gemv_us": us} for m, us in small.items()]}
     raw["calibration"] = {"gemm_crossover": cross, "launch_us": {"eager_us": 5.0, "graph_us": 1.0},
-                          "bandwidth_sweep": [{"bytes": 1 << 30, "read_gbps": 8000.0, "copy_gbps": 1000.0}]}
+                          "bandwidth_sweep": [{"bytes": 1 << 20, "read_gbps": 20000.0, "copy_gbps": 9000.0},  # a cache
+                                              {"bytes": 1 << 30, "read_gbps": 8000.0, "copy_gbps": 1000.0}]}
 
     def t(k, n, path="gemv"):
         return Curves.from_descriptor(raw).gemm_us(1, k, n, flops=2 * k * n, nbytes=2 * k * n, dtype="bfloat16",
