@@ -29,8 +29,27 @@ GEMM_IDX = IndexContext(full="offs", mask="cmask", row="rm[:, None]", col="rn[No
 
 
 def siblings(nodes: list[Node]) -> bool:
-    """Several plain linears and nothing else: the horizontal group of projections of one input."""
-    return len(nodes) > 1 and all(n.op == "linear" for n in nodes)
+    """Several linears (plain or weight-only quantized) and nothing else: the projections of one input."""
+    return len(nodes) > 1 and all(n.op in ("linear", "linear_wq") for n in nodes)
+
+
+def bias_of(n: Node) -> str | None:
+    """The bias input of a linear (inputs[2]) or linear_wq (inputs[3]), if any."""
+    i = 3 if n.op == "linear_wq" else 2
+    return n.inputs[i] if len(n.inputs) > i and n.inputs[i] is not None else None
+
+
+def quant_layout(n: Node, types: Any) -> tuple[Any, ...] | None:
+    """What a shared few-rows launch needs equal across its weights: (bits, group size, offsets,
+    scale dtype) of a linear_wq; None for a float linear."""
+    if n.op != "linear_wq":
+        return None
+    off = n.inputs[4] if len(n.inputs) > 4 else None
+    return (int(n.attrs["bits"]), int(n.attrs["group_size"]), off is not None, types[n.inputs[2]].dtype)
+
+
+def _layout_text(n: Node, lay: tuple[Any, ...] | None) -> str:
+    return f"{n.name} is {'float' if lay is None else f'{lay[0]}-bit, group {lay[1]}' + (', offsets' if lay[2] else '')}"
 
 
 def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
@@ -42,6 +61,10 @@ def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
             return False, "the sibling weights differ in dtype"
         if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
             return False, "the sibling outputs differ in dtype"
+        lay, first = quant_layout(n, query.types), quant_layout(nodes[0], query.types)
+        if lay != first:
+            return False, (f"{_layout_text(nodes[0], first)} and {_layout_text(n, lay)}: one launch reads one weight "
+                           "layout (quantize the siblings alike, or they run as separate kernels)")
     x_t = query.types[x]
     if x_t.rank != 2 or not isinstance(x_t.shape[1], int) or nodes[0].outputs[0].type.dtype not in FLOAT_DTYPES:
         return False, f"the sibling kernel takes a [rows, K] float activation with static K, not {x_t}"
@@ -138,6 +161,24 @@ def _gemv_blocks(cfg: dict[str, int], n: int, k: int, group: int = 32) -> tuple[
     return bn, bk
 
 
+def quant_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, BLOCK_K, in_group, least BLOCK_K) of a quantized few-rows kernel: the K tile lies inside one
+    group (per channel, large or non-power-of-two groups: the largest power of two dividing the group) or
+    holds whole power-of-two groups; ``least`` bounds the tile gemv_blocks narrows as rows grow.
+    linear_wq's lowering takes groups that are multiples of 16 (int8) / 32 (int4), so a tile always exists."""
+    cfg = {**cfg, "TILE": max(32, cfg["TILE"] // tile_parts)}
+    bn, bk = _gemv_blocks(cfg, n, k)
+    if group % bk == 0:
+        return bn, bk, True, min(32, bk)
+    if pow2(group) == group:
+        bn, bk = _gemv_blocks(cfg, n, k, max(32, group))
+        return bn, bk, bk <= group, min(bk, max(32, group))
+    d = 1
+    while group % (d * 2) == 0 and d * 2 <= bk:
+        d *= 2
+    return bn, d, True, d
+
+
 def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False, prologue: Any = None):
     """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes);
     ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products;
@@ -167,9 +208,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     if few_rows:
         bn, bk = _gemv_blocks(cfg, n_out, k_in)
         if quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
-            quant["in_group"] = gsize % bk == 0
-            if not quant["in_group"]:
-                bn, bk = _gemv_blocks(cfg, n_out, k_in, max(32, gsize))
+            bn, bk, quant["in_group"], quant["least"] = quant_tiles(cfg, n_out, k_in, gsize)
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -212,6 +251,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         epilogue_lines=body.lines if body else [], epilogue_result=body.results[out_name] if body else "y",
         round_dtype=round_dtype(out_t.dtype), prologue=prologue.template if prologue is not None else None,
     )
+    if quant and few_rows:
+        spec.extra["gemv_least"] = quant["least"]  # the narrowest K tile gemv_blocks may pick (_gemv_lines)
     args += [op.value for op in epi_ops] + [out_name]
     return spec, args, const, cfg
 
@@ -230,20 +271,12 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg, tai
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
-    least = f", {const['G']}" if "G" in const and const["G"] < const["BLOCK_K"] else ""
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"],
-                                              *([const["G"]] if least else []))
+    low = int(spec.extra.get("gemv_least", 32))
+    least = f", {low}" if low != 32 else ""
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"], low)
     return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
-
-
-def _few_rows_takes(ctx: GenContext, lin: Node, group_size: int) -> bool:
-    """Quantized weights: a K tile inside one group, or spanning whole power-of-two groups."""
-    if not group_size:
-        return True
-    _, bk = _gemv_blocks(ctx.cfg("gemv"), int(ctx.types[lin.inputs[1]].shape[0]), int(ctx.types[lin.inputs[0]].shape[-1]))
-    return group_size % bk == 0 or pow2(group_size) == group_size
 
 
 def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]) -> list[str]:
@@ -290,10 +323,9 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     code = GroupCode(buffers=[out_name])
     m = host_numel(ctx.types[lin.inputs[0]].shape[:-1])
     few: list[tuple[int, list[str], str]] = []
-    group_size = int(lin.attrs.get("group_size") or 0) if lin.op == "linear_wq" else 0
     weight = ctx.types[lin.inputs[1]]
     small = ctx.gemv_max_weight_bytes <= 0 or weight.nbytes({}) <= ctx.gemv_max_weight_bytes
-    if few_rows and small and _few_rows_takes(ctx, lin, group_size):
+    if few_rows and small:  # quantized: quant_tiles finds a K tile for every group linear_wq's lowering takes
         spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
         code.kernels.append(spec)
         few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),
