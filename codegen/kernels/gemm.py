@@ -57,14 +57,14 @@ def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     for n in nodes:
         if n.inputs[0] != x:
             return False, f"{n.name} reads {n.inputs[0]}, not {x}: only projections of one input share a launch"
-        if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
-            return False, "the sibling weights differ in dtype"
-        if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
-            return False, "the sibling outputs differ in dtype"
         lay, first = quant_layout(n, query.types), quant_layout(nodes[0], query.types)
         if lay != first:
             return False, (f"{_layout_text(nodes[0], first)} and {_layout_text(n, lay)}: one launch reads one weight "
                            "layout (quantize the siblings alike, or they run as separate kernels)")
+        if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
+            return False, "the sibling weights differ in dtype"
+        if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
+            return False, "the sibling outputs differ in dtype"
     x_t = query.types[x]
     if x_t.rank != 2 or not isinstance(x_t.shape[1], int) or nodes[0].outputs[0].type.dtype not in FLOAT_DTYPES:
         return False, f"the sibling kernel takes a [rows, K] float activation with static K, not {x_t}"
