@@ -2,8 +2,9 @@
 
 Each case is a decode-time group the fuse pass forms (norm prologue + one linear_wq, norm + Q|K|V-style
 siblings, residual add + norm + gate|up with silu(gate) * up), run at 1 and 3 rows (one few-rows launch,
-counted from the kernels the program really calls) and at 5 rows (above the rows rule: the norm kernel,
-then the tiled weight-only GEMMs). The reference is computed here: the integers unpacked with torch bit
+counted from the kernels the program really calls), at 5 rows (above the rows rule: the norm kernel, then
+the tiled weight-only GEMMs) and at 7 rows (from tuning.wq_vendor_min_tokens, here 6: each weight
+dequantized by one launch, then torch.mm). The reference is computed here: the integers unpacked with torch bit
 ops, dequantized per group (q * scale [+ offset]), then rms_norm / F.linear / silu in float64.
 """
 
@@ -112,22 +113,30 @@ CASES = [  # kind, bits, K, group, offsets: grouped and per channel (K = group),
 
 @pytest.mark.parametrize("kind,bits,k,group,offsets", CASES)
 def test_quantized_fused_decode_group(tmp_path, monkeypatch, kind, bits, k, group, offsets):
+    from portlayer.codegen import gemm_rule
+
     graph, want = _build(kind, bits, k, group, offsets)
     launches: list[str] = []
     _recorded(monkeypatch, launches)
+    monkeypatch.setattr(gemm_rule, "wq_vendor_min_tokens", lambda descriptor: 6)
     _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4)
     groups = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] not in ("view",)]
     assert len(groups) == 1 and groups[0]["prologue"], [kg["nodes"] for kg in groups]  # norm + linears (+ epilogue)
     g = torch.Generator().manual_seed(k)
-    for t in (1, 3, 5):
+    tail = ["pointwise"] if kind == "joint" else []  # silu(gate) * up after the GEMMs
+    for t in (1, 3, 5, 7):
         xv = torch.randn(t, k, generator=g)
         rv = torch.randn(t, k, generator=g) if kind != "single" else None
         launches.clear()
         ours = prog.run({"x": xv, **({"r": rv} if rv is not None else {})}, None, None)
+        kinds = [n.split("_")[0] + ("_w" if n.startswith("gemm_w") else "") for n in launches]
+        n_lin = len(graph.find("linear_wq"))
         if t <= 4:  # at decode rows: one launch of the fused few-rows kernel, the norm inside it
             assert len(launches) == 1 and launches[0].startswith("gemv_") and "rms" in launches[0], launches
-        else:  # above the rule: the norm kernel, then a weight-only GEMM per linear
-            assert launches[0].startswith("reduction_") and all(n.startswith("gemm_w") for n in launches[1:]), launches
+        elif t == 5:  # above the rule: the norm kernel, then a weight-only GEMM per linear (the epilogue in the last)
+            assert kinds == ["reduction"] + ["gemm_w"] * n_lin, launches
+        else:  # the norm kernel, each weight dequantized (torch.mm is no Triton launch), the epilogue
+            assert kinds == ["reduction"] + ["dequant"] * n_lin + tail, launches
         for o, w in zip(ours, want(xv, rv)):
             assert o.shape == w.shape and rel_err(o, w) <= 1e-4, (t, rel_err(o, w))
 

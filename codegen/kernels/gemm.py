@@ -126,10 +126,11 @@ def epilogue_shape_refusal(epi: list[Node], out_shape: Any) -> str:
 
 
 def gemm_scratch(group: KernelGroup) -> list[str]:
-    """The vendor path writes the linear's output before the epilogue kernel reads it."""
+    """The vendor path writes the linear's output before the epilogue kernel reads it (declared whether or
+    not this descriptor takes the path: scratch is asked of a group, not of a target)."""
     lin = group.nodes[0]
-    if lin.op == "linear" and len(group.nodes) > 1 and not siblings(group.nodes):
-        return [lin.outputs[0].name]
+    if lin.op in ("linear", "linear_wq") and len(group.nodes) > 1 and not siblings(group.nodes):
+        return [lin.outputs[0].name]  # linear_wq: the dequantize + vendor path (tuning.wq_vendor_min_tokens)
     return []
 
 
@@ -316,6 +317,43 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
     return code
 
 
+DEQUANT_TILE = (16, 128)  # (BLOCK_N, BLOCK_K) of the dequantize kernel: 2048 elements, 16-byte stores per thread
+
+
+def _dequant_vendor(ctx: GenContext, group: KernelGroup, code: GroupCode) -> list[str]:
+    """linear_wq above tuning.wq_vendor_min_tokens: dequantize W into a temporary in the activation's dtype
+    (as the op's semantics round it), the vendor GEMM, then the epilogue as one pointwise kernel."""
+    lin, epi = group.nodes[0], group.nodes[1:]
+    x, qw, sc = lin.inputs[:3]
+    bias, off = bias_of(lin), (lin.inputs[4] if len(lin.inputs) > 4 else None)
+    n, k = int(ctx.types[qw].shape[0]), int(ctx.types[x].shape[-1])
+    bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
+    quant = {"bits": bits, "offsets": off is not None}
+    bn, bk = DEQUANT_TILE
+    params = [Param("q_ptr", ptr(ctx.types[qw].dtype)), Param("s_ptr", ptr(ctx.types[sc].dtype))]
+    params += [Param("o_ptr", ptr(ctx.types[off].dtype))] if off else []
+    params += [Param("w_ptr", ptr(ctx.types[x].dtype))] + [Param(c, "constexpr") for c in ("N", "K", "G", "BLOCK_N", "BLOCK_K")]
+    const = {"N": n, "K": k, "G": gsize, "BLOCK_N": bn, "BLOCK_K": bk}
+    variant = f"w{bits}{'a' if off else ''}_" + short_dtype(ctx.types[x].dtype)
+    spec = make_kernel("triton/gemm_dequant.py.j2", "dequant", variant, params, const, 4, 1, quant=quant,
+                       doc="A weight-only quantized weight dequantized for the vendor GEMM.")
+    code.kernels.append(spec)
+    lin_out = lin.outputs[0].name
+    args = ", ".join([qw, sc, *([off] if off else []), "wq_tmp"])
+    lines = [f"wq_tmp = torch.empty(({n}, {k}), dtype={x}.dtype, device={x}.device)",
+             f"K.{spec.name}[(triton.cdiv({n}, {bn}), triton.cdiv({k}, {bk}))]({args}, N={n}, K={k}, G={gsize}, "
+             f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps=4)",
+             f"torch.addmm({bias}, {x}, W_T(wq_tmp), out={lin_out})" if bias else f"torch.mm({x}, W_T(wq_tmp), out={lin_out})",
+             "del wq_tmp  # freed here: the next layer's temporary reuses the block"]
+    if epi:
+        out_name = epi[-1].outputs[0].name
+        pw = build_pointwise(ctx, group, epi, [out_name])
+        code.kernels += pw.kernels
+        lines += pw.lines
+        code.buffers = list(dict.fromkeys([*code.buffers, lin_out, out_name]))
+    return lines
+
+
 def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode:
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
@@ -333,7 +371,16 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     if lin.op == "linear_wq":
         spec, args, const, cfg = build_gemm_kernel(ctx, group)
         code.kernels.append(spec)
-        code.lines = _by_rows(m, few, _triton_lines(ctx, group, spec, args, const, cfg))
+        tiled = _triton_lines(ctx, group, spec, args, const, cfg)
+        start = ctx.wq_vendor_min_tokens
+        if start <= 0:
+            code.lines = _by_rows(m, few, tiled)
+            return code
+        vendor = _dequant_vendor(ctx, group, code)
+        low = ctx.gemv_max_tokens if few else 0
+        if start - 1 > low:  # the Triton weight-only GEMM between the few-rows rule and the vendor path
+            few = [*few, (start - 1, tiled, "gemm_rule: below tuning.wq_vendor_min_tokens the Triton weight-only GEMM")]
+        code.lines = _by_rows(m, few, vendor)
         return code
     x, w = lin.inputs[0], lin.inputs[1]
     bias = lin.inputs[2] if len(lin.inputs) > 2 else None
