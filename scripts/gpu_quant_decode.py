@@ -4,8 +4,8 @@
 
 For each of bf16, int8, int4: the 0.6B shape with seeded random bf16 weights
 (benchmarks/bench_serving.build_model) compiled for nvidia-h200 (``portlayer.compile(quantize=...)``),
-``portlayer bench`` decode at batch 1 / 16 / 64 with 512 cached tokens, the CUDA kernels one batch-1
-decode step launches (torch.profiler, counted by this script), and ``portlayer validate`` on the int8 and
+``portlayer bench`` decode at batch 1 / 16 / 64 with 512 cached tokens, the CUDA kernels one decode step
+launches at batch 1 and 64 and their device time (torch.profiler, counted by this script), and ``portlayer validate`` on the int8 and
 int4 artifacts. int4 is quantized round-to-nearest (``--int4-method``, default rtn): the calibrated
 default (clip) runs a sequential calibration on the CPU that takes minutes on this shape, and the
 method changes the integers, not the kernels being timed. Writes ``$OUT/quant_decode_h200.json``
@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[quant] {mode}: compile {r['compile_s']} s; decode " + ", ".join(
                 f"b{d['batch']} {d['step_ms']:.3f} ms" for d in r["bench"]["decode"]), flush=True)
             write()
-            r["profile_b1"] = _launches(loaded, 1, args.context)
-            print(f"[quant] {mode}: b1 {r['profile_b1']['launches_per_step']} launches/step, "
-                  f"{r['profile_b1']['device_us_per_step']} us of kernels", flush=True)
-            write()
+            for b in (1, max(batches)):
+                r[f"profile_b{b}"] = p = _launches(loaded, b, args.context)
+                print(f"[quant] {mode}: b{b} {p['launches_per_step']} launches/step, {p['device_us_per_step']} us of "
+                      "kernels; top: " + "; ".join(f"{t['kernel'][:40]} {t['launches_per_step']}x{t['us_per_launch']}us"
+                                                   for t in p["top"][:5]), flush=True)
+                write()
             del loaded
             torch.cuda.empty_cache()
             if mode != "none" and not args.no_validate:

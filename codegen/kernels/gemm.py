@@ -369,16 +369,19 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
         few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),
                 "gemm_rule: a few rows read W once on the CUDA cores")]
     if lin.op == "linear_wq":
-        spec, args, const, cfg = build_gemm_kernel(ctx, group)
-        code.kernels.append(spec)
-        tiled = _triton_lines(ctx, group, spec, args, const, cfg)
         start = ctx.wq_vendor_min_tokens
+        # rows a few-rows kernel takes: this group's, or its caller's (few_rows=False: gemm_group / siblings)
+        low = ctx.gemv_max_tokens if few or (not few_rows and small) else 0
+        tiled: list[str] = []
+        if start <= 0 or start - 1 > low:  # the Triton weight-only GEMM runs at some row count
+            spec, args, const, cfg = build_gemm_kernel(ctx, group)
+            code.kernels.append(spec)
+            tiled = _triton_lines(ctx, group, spec, args, const, cfg)
         if start <= 0:
             code.lines = _by_rows(m, few, tiled)
             return code
         vendor = _dequant_vendor(ctx, group, code)
-        low = ctx.gemv_max_tokens if few else 0
-        if start - 1 > low:  # the Triton weight-only GEMM between the few-rows rule and the vendor path
+        if tiled:  # between the few-rows rule and the vendor path
             few = [*few, (start - 1, tiled, "gemm_rule: below tuning.wq_vendor_min_tokens the Triton weight-only GEMM")]
         code.lines = _by_rows(m, few, vendor)
         return code
