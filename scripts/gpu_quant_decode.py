@@ -57,7 +57,7 @@ def _launches(loaded: Any, batch: int, context: int, steps: int = 5) -> dict[str
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower():
-            kernels.setdefault(e.name, []).append(e.device_time)
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
     total = sum(len(v) for v in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     return {"batch": batch, "launches_per_step": total / steps,
