@@ -79,7 +79,7 @@ def _validate(art: Path, timeout: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--modes", default="none,int4,int8")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--batches", default="1,16,64")
