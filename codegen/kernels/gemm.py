@@ -4,8 +4,14 @@ or the vendor GEMM through torch followed by the epilogue as one pointwise kerne
 For an unquantized ``linear`` the choice is made per step from the token count (the rule is
 codegen/gemm_rule.py's, from the descriptor); the fused epilogue then needs the linear's own
 output in memory on the vendor path, which the lowering declares as scratch so the memory plan
-places it. ``linear_wq`` always runs the Triton kernel: the weight is dequantized tile by tile in
-the K loop, so no integer tensor ever reaches torch.mm and no float copy of the weight exists.
+places it. ``linear_wq`` runs the Triton kernels (the few-rows one at decode, the tiled one above),
+the weight dequantized tile by tile in the K loop, so no integer tensor ever reaches torch.mm; from
+``tuning.wq_vendor_min_tokens`` rows one launch dequantizes the weight into a temporary in the
+activation's dtype (freed after the group: the allocator hands the same block to the next layer) and the
+vendor GEMM runs on it. Why: the tiled kernel launches ceil(N / BLOCK_N) programs at any row count up to
+its row tile (8-24 programs on the H200's 132 SMs for the 0.6B shape's projections at 64 rows), each
+walking all of K alone; the vendor GEMM splits that work, and the dequantize costs one read of the
+integers and one write of the float weight.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
 from portlayer.codegen.host_support import gemm_block_m_choices, gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
+from portlayer.codegen.kernels.gemm_quant import dequant_vendor, layout_text, quant_layout
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import FLOAT_DTYPES, Param, pow2, ptr, short_dtype
@@ -33,25 +40,6 @@ def siblings(nodes: list[Node]) -> bool:
     return len(nodes) > 1 and all(n.op in ("linear", "linear_wq") for n in nodes)
 
 
-def bias_of(n: Node) -> str | None:
-    """The bias input of a linear (inputs[2]) or linear_wq (inputs[3]), if any."""
-    i = 3 if n.op == "linear_wq" else 2
-    return n.inputs[i] if len(n.inputs) > i and n.inputs[i] is not None else None
-
-
-def quant_layout(n: Node, types: Any) -> tuple[Any, ...] | None:
-    """What a shared few-rows launch needs equal across its weights: (bits, group size, offsets,
-    scale dtype) of a linear_wq; None for a float linear."""
-    if n.op != "linear_wq":
-        return None
-    off = n.inputs[4] if len(n.inputs) > 4 else None
-    return (int(n.attrs["bits"]), int(n.attrs["group_size"]), off is not None, types[n.inputs[2]].dtype)
-
-
-def _layout_text(n: Node, lay: tuple[Any, ...] | None) -> str:
-    return f"{n.name} is {'float' if lay is None else f'{lay[0]}-bit, group {lay[1]}' + (', offsets' if lay[2] else '')}"
-
-
 def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     x = nodes[0].inputs[0]
     for n in nodes:
@@ -59,7 +47,7 @@ def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
             return False, f"{n.name} reads {n.inputs[0]}, not {x}: only projections of one input share a launch"
         lay, first = quant_layout(n, query.types), quant_layout(nodes[0], query.types)
         if lay != first:
-            return False, (f"{_layout_text(nodes[0], first)} and {_layout_text(n, lay)}: one launch reads one weight "
+            return False, (f"{layout_text(nodes[0], first)} and {layout_text(n, lay)}: one launch reads one weight "
                            "layout (quantize the siblings alike, or they run as separate kernels)")
         if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
             return False, "the sibling weights differ in dtype"
@@ -317,43 +305,6 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
     return code
 
 
-DEQUANT_TILE = (16, 128)  # (BLOCK_N, BLOCK_K) of the dequantize kernel: 2048 elements, 16-byte stores per thread
-
-
-def _dequant_vendor(ctx: GenContext, group: KernelGroup, code: GroupCode) -> list[str]:
-    """linear_wq above tuning.wq_vendor_min_tokens: dequantize W into a temporary in the activation's dtype
-    (as the op's semantics round it), the vendor GEMM, then the epilogue as one pointwise kernel."""
-    lin, epi = group.nodes[0], group.nodes[1:]
-    x, qw, sc = lin.inputs[:3]
-    bias, off = bias_of(lin), (lin.inputs[4] if len(lin.inputs) > 4 else None)
-    n, k = int(ctx.types[qw].shape[0]), int(ctx.types[x].shape[-1])
-    bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
-    quant = {"bits": bits, "offsets": off is not None}
-    bn, bk = DEQUANT_TILE
-    params = [Param("q_ptr", ptr(ctx.types[qw].dtype)), Param("s_ptr", ptr(ctx.types[sc].dtype))]
-    params += [Param("o_ptr", ptr(ctx.types[off].dtype))] if off else []
-    params += [Param("w_ptr", ptr(ctx.types[x].dtype))] + [Param(c, "constexpr") for c in ("N", "K", "G", "BLOCK_N", "BLOCK_K")]
-    const = {"N": n, "K": k, "G": gsize, "BLOCK_N": bn, "BLOCK_K": bk}
-    variant = f"w{bits}{'a' if off else ''}_" + short_dtype(ctx.types[x].dtype)
-    spec = make_kernel("triton/gemm_dequant.py.j2", "dequant", variant, params, const, 4, 1, quant=quant,
-                       doc="A weight-only quantized weight dequantized for the vendor GEMM.")
-    code.kernels.append(spec)
-    lin_out = lin.outputs[0].name
-    args = ", ".join([qw, sc, *([off] if off else []), "wq_tmp"])
-    lines = [f"wq_tmp = torch.empty(({n}, {k}), dtype={x}.dtype, device={x}.device)",
-             f"K.{spec.name}[(triton.cdiv({n}, {bn}), triton.cdiv({k}, {bk}))]({args}, N={n}, K={k}, G={gsize}, "
-             f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps=4)",
-             f"torch.addmm({bias}, {x}, W_T(wq_tmp), out={lin_out})" if bias else f"torch.mm({x}, W_T(wq_tmp), out={lin_out})",
-             "del wq_tmp  # freed here: the next layer's temporary reuses the block"]
-    if epi:
-        out_name = epi[-1].outputs[0].name
-        pw = build_pointwise(ctx, group, epi, [out_name])
-        code.kernels += pw.kernels
-        lines += pw.lines
-        code.buffers = list(dict.fromkeys([*code.buffers, lin_out, out_name]))
-    return lines
-
-
 def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode:
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
@@ -380,7 +331,7 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
         if start <= 0:
             code.lines = _by_rows(m, few, tiled)
             return code
-        vendor = _dequant_vendor(ctx, group, code)
+        vendor = dequant_vendor(ctx, group, code)
         if tiled:  # between the few-rows rule and the vendor path
             few = [*few, (start - 1, tiled, "gemm_rule: below tuning.wq_vendor_min_tokens the Triton weight-only GEMM")]
         code.lines = _by_rows(m, few, vendor)

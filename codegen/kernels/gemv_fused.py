@@ -16,6 +16,7 @@ from typing import Any
 from portlayer.codegen.expr import load_line, lower_chain
 from portlayer.codegen.host_support import gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
+from portlayer.codegen.kernels.gemm_quant import bias_of
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
@@ -106,12 +107,6 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
     return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "in_group": in_group, "G": group}, least)
 
 
-def _bias(n: Node) -> str | None:
-    from portlayer.codegen.kernels.gemm import bias_of
-
-    return bias_of(n)
-
-
 def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None) -> tuple[KernelSpec, list[str]]:
     """Sibling linears of one activation in one few-rows launch, the programs split among the weights."""
     x_t = ctx.types[linears[0].inputs[0]]
@@ -121,7 +116,7 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None)
     ws = _weights(ctx, linears, sum(ns), k_in)
     bn, bk = ws.bn, ws.bk
     parts = len(linears)
-    biases = [_bias(n) for n in linears]
+    biases = [bias_of(n) for n in linears]
     out_t = linears[0].outputs[0].type
     head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
     params = (head + ws.params
@@ -168,7 +163,7 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     out_t = ctx.types[out_name]
     body = lower_chain(epilogue, ctx.types, out_t.shape, GEMM_IDX,
                        bound={n.outputs[0].name: f"y{i}" for i, n in enumerate(linears)}, prefix="e")
-    biases = [_bias(n) for n in linears]
+    biases = [bias_of(n) for n in linears]
     head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
     params = (head + ws.params
               + [Param(f"b{i}_ptr", ptr(ctx.types[b].dtype)) for i, b in enumerate(biases) if b]
