@@ -10,6 +10,7 @@ its kernel launches, counted by wrapping the program's loaded kernels, equal to 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,9 +125,16 @@ def _dequantized_hf(model, art: Path):
     return deq
 
 
-def test_int4_decode_logits_match_hf_with_the_dequantized_weights(built, monkeypatch):
+@pytest.fixture(scope="module")
+def decoded(built):
+    """{quantize: (decode-step logits, kernels launched)}: each program run once for the tests below."""
+    with pytest.MonkeyPatch.context() as mp:
+        return {q: _decode(art, mp) for q, art in built[1].items()}
+
+
+def test_int4_decode_logits_match_hf_with_the_dequantized_weights(built, decoded):
     model, arts = built
-    ours, _ = _decode(arts["int4"], monkeypatch)
+    ours, _ = decoded["int4"]
     with torch.no_grad():
         want = _dequantized_hf(model, arts["int4"])(torch.tensor([PROMPT + [PROMPT[-1]]])).logits[0, -1]
         original = model(torch.tensor([PROMPT + [PROMPT[-1]]])).logits[0, -1]
@@ -134,10 +142,22 @@ def test_int4_decode_logits_match_hf_with_the_dequantized_weights(built, monkeyp
     assert rel_err(ours, original) > 1e-3  # the weights really are the int4 ones
 
 
-def test_int4_decode_launches_as_many_kernels_as_float(built, monkeypatch):
-    _, arts = built
-    _, quant = _decode(arts["int4"], monkeypatch)
-    _, full = _decode(arts["none"], monkeypatch)
+def test_int4_decode_launches_as_many_kernels_as_float(decoded):
+    _, quant = decoded["int4"]
+    _, full = decoded["none"]
     assert len(quant) == len(full), (quant, full)
     assert sum(n.startswith("gemv_") and "w4" in n for n in quant) == 2 * 4, quant  # QKV, o, gate|up, down per layer
     assert not any(n.startswith(("reduction_", "pointwise_")) for n in quant[1:-2]), quant  # no norm / SiLU*mul launch
+
+
+def test_the_4_sm_descriptor_changes_no_kernel_of_the_h200_int4_program(built, tmp_path):
+    """The fixture's descriptor differs from nvidia-h200 only in its SM count (fewer interpreted programs)."""
+    _, arts = built
+    real = tmp_path / "h200"
+    src = arts["int4"].parent / "qwen3"
+    portlayer.compile(str(src), target="nvidia-h200", dtype="float32", quantize="int4", output=real, progress=False,
+                      sources_only=True, verify=False)
+    def launched(art: Path) -> list[str]:
+        return re.findall(r"K\.(\w+)\[", (art / "host.py").read_text())
+
+    assert launched(real) == launched(arts["int4"])
