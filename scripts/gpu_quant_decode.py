@@ -11,7 +11,8 @@ default (clip) runs a sequential calibration on the CPU that takes minutes on th
 method changes the integers, not the kernels being timed. Writes ``$OUT/quant_decode_h200.json``
 after every stage (a run cut short keeps what it measured), with ms/step and the int8/bf16 and
 int4/bf16 speed ratios (bf16 ms / quantized ms: above 1 is faster than bf16; issue 12's goal is
-int4 at batch 1 >= 1.6).
+int4 at batch 1 >= 1.6). Each compile quantizes and grades 0.6 B parameters on the CPU; if one call
+runs long, split it: ``--modes none,int4`` then ``--modes int8 --json $OUT/quant_decode_h200_int8.json``.
 """
 
 from __future__ import annotations
