@@ -238,7 +238,70 @@ def measure_generated_attention(pipeline: Callable[..., Any], dev: torch.device,
 
         got = measure_paged_attention(dev, sizes, progress, dtype, run=run,
                                       label="generated split-K decode attention + reduce", graphed=True)
-    return {"attention_generated": got}
+        progress.start("host cost of a replayed decode step, waited for (batch 1 and the largest attention batch)")
+        step = measure_graph_step(pipeline, dev, sizes, desc, dtype, got, tmp)
+        progress.done("not measured: the plan captures no CUDA graphs" if step is None else
+                      ", ".join(f"batch {p['batch']}: {p['host_us']:g} us" for p in step["points"]))
+    return {"attention_generated": got, **({"graph_step": step} if step else {})}
+
+
+def one_decode_step(heads: tuple[int, int, int], dtype: torch.dtype, vocab: int = 256) -> Any:
+    """input_ids -> embeddings as q, k, v -> paged attention: the smallest graph whose decode step the host
+    program replays from a CUDA graph as a model's (token ids in, the paged cache, its static buffers)."""
+    hq, hkv, d = heads
+    b = GraphBuilder()
+    g = torch.Generator().manual_seed(0)
+    ids = b.add_input("input_ids", TensorType("int64", ("num_tokens",)))
+    parts = []
+    for name, h in (("q", hq), ("k", hkv), ("v", hkv)):
+        table = b.add_param(f"{name}_table", torch.randn(vocab, h * d, generator=g).to(dtype))
+        e = b.add1("embedding", [table, ids], name=f"{name}_embed")
+        parts.append(b.add1("reshape", [e], {"shape": ["num_tokens", h, d]}, name=f"{name}_heads"))
+    a = b.add1("attention", parts, {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "scale": d**-0.5,
+                                    "layer": 0}, name="attn")
+    b.graph.outputs = [b.add1("reshape", [a], {"shape": ["num_tokens", hq * d]}, name="attn_flat")]
+    b.graph.meta = {"architecture": "calibration-decode-step", "max_positions": 4096}
+    return b.graph
+
+
+def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, desc: Any, dtype: torch.dtype,
+                       fit: dict[str, float], tmp: str, context: int = 16) -> dict[str, Any] | None:
+    """Host microseconds a replayed decode step adds to its kernels when each step is waited for (as `portlayer
+    bench` times it): the program's static-buffer copies, the replay call, the output copy and the wait.
+    Timed at batch 1 and the largest batch of ``sizes.attn_points`` over a short context, minus the device time
+    the generated-attention fit gives the step's attention and one in-graph launch per embedding kernel."""
+    from portlayer.backends.generate import generate
+    from portlayer.backends.triton_program import load_program
+    from portlayer.capabilities.calibrate_attention import paged_case
+    from portlayer.codegen.program import write_program
+
+    result = _planned(pipeline, one_decode_step(sizes.attn_heads, dtype), desc, dtype)
+    if not result.plan.value("graph_capture_sizes"):
+        return None
+    out = Path(tmp) / "decode-step"
+    write_program(generate(result.graph, result.plan, result.descriptor), out)
+    prog = load_program(out, result.graph.weights, str(dev), result.plan)
+    top = max(b for b, _ in sizes.attn_points)
+    points = []
+    with torch.inference_mode():
+        for batch in sorted({1, top}):
+            _, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, dev)
+            feeds = {"input_ids": torch.randint(0, 256, (batch,), device=dev)}
+            md = ctx.attn_metadata
+            for _ in range(5):
+                prog.run(feeds, md, ctx.kv_cache)
+            torch.cuda.synchronize(dev)
+            walls = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                prog.run(feeds, md, ctx.kv_cache)
+                torch.cuda.synchronize(dev)
+                walls.append(time.perf_counter() - t0)
+            wall = sorted(walls)[len(walls) // 2] * 1e6
+            device = fit["fixed_us"] + fit["per_seq_us"] * batch + kv_bytes / (fit["gbps"] * 1e3)
+            points.append({"batch": batch, "wall_us": sig(wall), "device_us": sig(device),
+                           "host_us": sig(max(0.0, wall - device))})
+    return {"context": context, "points": points}
 
 
 def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:

@@ -222,7 +222,7 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "torch": vers["torch"],
         },  # fmt: skip
     }
-    for key in ("gemm_crossover", "attention_generated", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
+    for key in ("gemm_crossover", "attention_generated", "graph_step", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
                 "round_spread_pct"):
         if key in results:
             patch["calibration"][key] = results[key]

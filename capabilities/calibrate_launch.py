@@ -31,8 +31,21 @@ def measure_launch_latency(device: torch.device, sizes: Sizes) -> float:
     return trimmed(runs) / sizes.launches * 1e6
 
 
-def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200) -> float | None:
-    """Microseconds per tiny kernel inside a replayed CUDA graph; None where there are no graphs."""
+def _tiny_graph(x: torch.Tensor, kernels: int) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200) -> tuple[float, float] | None:
+    """(microseconds per tiny kernel inside a replayed CUDA graph, replays queued back to back; what each
+    node adds beyond that to a replay that is waited for, i.e. host submission the device cannot hide); None
+    where there are no graphs. The second: (one waited replay of ``kernels`` nodes - one of a single node) /
+    (kernels - 1) - the first, at least 0."""
     if device.type != "cuda":
         return None
     x = torch.zeros(1, device=device)
@@ -42,12 +55,7 @@ def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200)
         for _ in range(3):
             x.add_(1)
     torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1)
-    for _ in range(3):
-        graph.replay()
+    graph, single = _tiny_graph(x, kernels), _tiny_graph(x, 1)
     sync(device)
     reps = max(1, sizes.launches // kernels)
     runs = []
@@ -57,7 +65,19 @@ def measure_graph_launch(device: torch.device, sizes: Sizes, kernels: int = 200)
             graph.replay()
         sync(device)
         runs.append(time.perf_counter() - t0)
-    return trimmed(runs) / (reps * kernels) * 1e6
+    per_kernel = trimmed(runs) / (reps * kernels) * 1e6
+
+    def waited(g: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(max(20, 4 * reps)):
+            t0 = time.perf_counter()
+            g.replay()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return trimmed(times) * 1e6
+
+    node = (waited(graph) - waited(single)) / (kernels - 1) - per_kernel
+    return per_kernel, max(0.0, node)
 
 
 def measure_reference_op(device: torch.device, sizes: Sizes) -> float:
@@ -91,11 +111,15 @@ def measure_launches(device: torch.device, sizes: Sizes, progress: Progress) -> 
     ref = measure_reference_op(device, sizes)
     progress.done(f"{ref:.3g} us per node")
     progress.start("launch latency (replayed graph)")
+    graph = node = None
     try:
-        graph = measure_graph_launch(device, sizes)
+        got = measure_graph_launch(device, sizes)
     except RuntimeError as e:  # a driver without graph support: say so, keep the eager number
-        graph = None
         progress.done(f"not measured: {str(e)[:120]}")
     else:
-        progress.done("not measured: this device has no graphs" if graph is None else f"{graph:.3g} us per kernel")
-    return {"eager_us": eager, "graph_us": graph, "reference_op_us": ref}
+        if got is None:
+            progress.done("not measured: this device has no graphs")
+        else:
+            graph, node = got
+            progress.done(f"{graph:.3g} us per kernel; a waited replay adds {node:.3g} us per node")
+    return {"eager_us": eager, "graph_us": graph, "graph_node_host_us": node, "reference_op_us": ref}

@@ -159,7 +159,9 @@ class HostProgram:
         missing = [k for k in dtypes if k not in weights]
         if missing:
             raise KeyError(f"host program: weights missing {missing[:5]} (of {len(missing)}); pass the artifact's weights")
-        self.W = SimpleNamespace(**{k: weights[k].to(device=self.device, dtype=torch_dtype(dt)) for k, dt in dtypes.items()})
+        from portlayer.codegen.weight_upload import upload
+
+        self.W = SimpleNamespace(**upload(weights, {k: torch_dtype(dt) for k, dt in dtypes.items()}, self.device))
         floats = [torch_dtype(d) for d in dtypes.values() if d.startswith(("float", "bfloat"))]
         self.dtype = floats[0] if floats else torch.float32
         if kernels is not None:

@@ -90,7 +90,9 @@ def _group_traffic(rec: Mapping[str, Any], nodes: list[Node], graph: Graph, type
     return in_bytes + out_bytes, flops
 
 
-def _gemm(nodes: list[Node], graph: Graph, types: Mapping[str, TensorType], b: Mapping[str, int]) -> tuple[int, int, int] | None:
+def _gemms(nodes: list[Node], types: Mapping[str, TensorType], b: Mapping[str, int]) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every GEMM of the group, in graph order (siblings Q|K|V, a joint gate|up: several)."""
+    out = []
     for n in nodes:
         if n.op in ("linear", "matmul", "linear_wq") and len(n.inputs) > 1 and n.inputs[1] in types:
             w = types[n.inputs[1]]
@@ -100,9 +102,8 @@ def _gemm(nodes: list[Node], graph: Graph, types: Mapping[str, TensorType], b: M
                 nn, k = int(w.shape[0]), int(w.shape[-1])
             else:
                 k, nn = int(w.shape[-2]), int(w.shape[-1])
-            m = max(1, n.outputs[0].type.numel(b) // max(nn, 1))
-            return m, k, nn
-    return None
+            out.append((max(1, n.outputs[0].type.numel(b) // max(nn, 1)), k, nn))
+    return out
 
 
 def _attention(nodes: list[Node], types: Mapping[str, TensorType], phase: str, batch: int, context: int,
@@ -173,7 +174,7 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         n_launch = len(compute) if torch_family or rec.get("family") == "torch" else 1
         launches += n_launch
         attn = _attention(compute, types, phase, batch, context, new_tokens)
-        gemm = _gemm(compute, graph, types, b)
+        gemms = _gemms(compute, types, b)
         launch_us = n_launch * per_launch
         if attn is not None:
             kv, aflops, kv_dtype, scores = attn
@@ -192,11 +193,21 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
                 dev_us += max(part, per_launch) if graphs else part
                 launches += 1
                 host_us += per_launch
-        elif gemm is not None:
+        elif gemms:
             biggest = max(types[n.inputs[1]].nbytes({}) for n in compute
                           if n.op in ("linear", "linear_wq", "matmul") and len(n.inputs) > 1 and n.inputs[1] in types)
-            path = _gemm_path(descriptor, rec, gemm[0], torch_family, biggest)
-            dev_us = curves.gemm_us(*gemm, flops=flops, nbytes=nbytes, dtype=dtype, path=path)
+            path = _gemm_path(descriptor, rec, gemms[0][0], torch_family, biggest)
+            if path == "gemv":  # one few-rows launch reads every linear's weight (siblings / joint: N side by side)
+                m, k, _ = gemms[0]
+                dev_us = curves.gemm_us(m, k, sum(g[2] for g in gemms), flops=flops, nbytes=nbytes, dtype=dtype, path=path)
+            else:  # each linear is its own GEMM launch (codegen/kernels/gemm_group.py above the rows rule)
+                kn = sum(g[1] * g[2] for g in gemms)
+                times = [curves.gemm_us(*g, flops=flops * g[1] * g[2] / kn, nbytes=nbytes * g[1] * g[2] / kn,
+                                        dtype=dtype, path=path) for g in gemms]
+                dev_us = times[0] + sum(max(t, per_launch) if graphs else t for t in times[1:])
+                if not torch_family:  # the torch family counted every node above
+                    launches += len(gemms) - 1
+                    launch_us = (n_launch + len(gemms) - 1) * per_launch  # a program line each: launch, views
             for part in ([] if torch_family else _unfused_parts(rec, by_name, types, b, path)):
                 # what the GEMM path at these rows cannot absorb runs as its own kernel (codegen/kernels/gemm_group.py)
                 t = curves.memory_us(part)
@@ -224,8 +235,15 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     device_us = sum(g.us for g in groups)
     if torch_family:  # the host runs every op itself: times add
         total = device_us
-    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above)
-        total = device_us
+    elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above),
+        # then what the host adds to a step that is waited for (static copies, replay call, output copy)
+        step = curves.graph_step_us(batch)
+        if step:  # the outputs are copied out of the graph's static buffers (read + write)
+            step += curves.memory_us(2 * sum(types[o].nbytes(b) for o in graph.outputs if o in types))
+        step += launches * curves.graph_node_us  # submitting the graph's nodes: not hidden when the step is waited for
+        if step:
+            groups.append(GroupTime("step", "host", "other", step, 0, 0, "launch"))
+        total = device_us + step
     else:  # eager: the host queues launches while the device runs; the slower of the two sets the pace
         total = max(device_us, host_us)
     host = host_us / 1e3 if not (torch_family or graphs) else 0.0

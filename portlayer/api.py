@@ -210,7 +210,9 @@ def compile(  # noqa: A001 - the public name users expect
     if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
         options["tensor_parallel"] = _tp_option(tensor_parallel)
     desc = resolve_target(target)
-    src = _model_source(model)
+    t_src = time.perf_counter()
+    src = _model_source(model)  # the model's digest (its weights' bytes hashed unless memoised) for the cache key
+    stages.timings["source"] = round(time.perf_counter() - t_src, 3)
     from portlayer.capabilities.tuning import tuning_digest  # tuned launch configs change the artifact
 
     key = cache.cache_key(src.sha256, desc.sha256 + tuning_digest(desc), options)

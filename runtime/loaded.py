@@ -74,10 +74,8 @@ class LoadedArtifact:
         t0 = self.verify_started if self.verify_started is not None else pending.check.started
         done = pending.check.finished or time.perf_counter()
         if done - t0 > 2.0:
-            nbytes = sum(int(f.get("bytes", 0)) for f in self.manifest.files.values())
-            print(f"[portlayer] verified {self.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in {done - t0:.1f} s "
-                  f"({pending.check.bytes / (1 << 30):.2f} GiB of weights hashed while they were loaded; the load "
-                  f"waited {pending.waited_s:.1f} s for it)", file=sys.stderr)
+            _say_verified(self.manifest, done - t0, f" ({pending.check.bytes / (1 << 30):.2f} GiB of weights hashed "
+                          f"while they were loaded; the load waited {pending.waited_s:.1f} s for it)")
 
     @functools.cached_property
     def _mapped_graph(self) -> Graph:
@@ -107,7 +105,7 @@ class LoadedArtifact:
         runs a program step before (the engine's warm-up and every run come after this returns). On a
         mismatch what was built is dropped and the ArtifactError says which file differs.
         A load over 2 s says on stderr what it moved and how fast (weights are memory-mapped and
-        copied to the device one tensor at a time)."""
+        copied to the device through pinned staging buffers, codegen/weight_upload.py)."""
         t0 = time.perf_counter()
         try:
             exe = self._executable()
@@ -319,10 +317,15 @@ def open_artifact(path: Any, check_device: bool = True, emulate: bool | None = F
         raise
     loaded.verify_started = t0
     if m.pending is None and time.perf_counter() - t0 > 2.0:
-        nbytes = sum(int(f.get("bytes", 0)) for f in m.files.values())
-        print(f"[portlayer] verified {m.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        _say_verified(m, time.perf_counter() - t0)
     return loaded
+
+
+def _say_verified(m: Manifest, seconds: float, how: str = "") -> None:
+    """The one stderr line of a verification over 2 s, blocking (open_artifact) or overlapped (the join)."""
+    nbytes = sum(int(f.get("bytes", 0)) for f in m.files.values())
+    print(f"[portlayer] verified {m.path.name}: sha256 of {nbytes / (1 << 30):.2f} GiB in {seconds:.1f} s{how}",
+          file=sys.stderr)
 
 
 def _open_verified(m: Manifest, check_device: bool, emulate: bool | None, interpret: bool) -> LoadedArtifact:

@@ -236,6 +236,39 @@ def test_the_generated_attention_program_calibration_times_is_paged_decode_atten
         torch.testing.assert_close(out[b], want[:, 0], rtol=1e-4, atol=1e-5)
 
 
+def test_the_decode_step_program_graph_step_calibration_replays_is_paged_attention_over_embeddings(tmp_path):
+    """calibrate times the host cost of a replayed decode step with backends/calibration_runner.one_decode_step:
+    token ids in (as a model's program takes them), q/k/v embedded, paged attention. Here its generated program,
+    interpreted in float32 on the calibration's paged case, against torch SDPA over the cached tokens + the new."""
+    import torch
+    import torch.nn.functional as F
+
+    from portlayer.backends.calibration_runner import _program, one_decode_step
+    from portlayer.capabilities.calibrate_attention import paged_case
+    from portlayer.capabilities.descriptor import load_descriptor
+    from portlayer.passes.pipeline import run_pipeline
+
+    hq, hkv, d = heads = (4, 2, 16)
+    batch, context = 3, 18
+    cpu = torch.device("cpu")
+    graph = one_decode_step(heads, torch.float32, vocab=32)
+    tables = {n: graph.weights[f"{n}_table"].clone() for n in "qkv"}
+    prog = _program(run_pipeline, graph, load_descriptor("nvidia-h200"), torch.float32, cpu, tmp_path / "step", 0, 0)
+    _, ctx, _ = paged_case(batch, context, heads, torch.float32, cpu)
+    kc, vc = (c.clone() for c in ctx.kv_cache[0])
+    ids = torch.tensor([3, 31, 3])
+    out = prog.run({"input_ids": ids}, ctx.attn_metadata, ctx.kv_cache)[0]
+    assert out.shape == (batch, hq * d)
+    q, k, v = (tables[n][ids].view(batch, -1, d) for n in "qkv")
+    for b in range(batch):
+        blocks = ctx.attn_metadata.block_tables[b].tolist()
+        keys = torch.cat([kc[blocks].reshape(-1, hkv, d)[:context], k[b:b + 1]]).transpose(0, 1)
+        vals = torch.cat([vc[blocks].reshape(-1, hkv, d)[:context], v[b:b + 1]]).transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[b][:, None], keys.repeat_interleave(hq // hkv, 0),
+                                              vals.repeat_interleave(hq // hkv, 0), scale=d**-0.5)
+        torch.testing.assert_close(out[b].view(hq, d), want[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
     """Sizes.cold_bytes (the GPU presets: 512 MiB): the curve cycles through weight copies, so a small weight is
     not timed from a cache it would never sit in during a decode step; 0 (the CPU presets) keeps one weight."""

@@ -227,27 +227,71 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
     assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))
 
 
-def test_what_a_gemm_path_cannot_fuse_is_counted_as_its_own_kernel(gpu):
-    """At one row the few-rows kernel computes the norm prologue and the SiLU*up epilogue inside itself; at 64
-    rows the vendor GEMM runs them as their own reduction and pointwise kernels (codegen/kernels/gemm_group.py):
-    one more launch per fused prologue and per fused epilogue, and more time."""
+def _program_launches(result, batch: int, tmp) -> int:
+    """Kernels the generated host program launches for one decode step of ``batch`` sequences, counted
+    by running it (Triton interpreter): every Triton launch through its kernel namespace, every vendor
+    GEMM as the aten matmul it dispatches."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from portlayer.backends.generate import generate
+    from portlayer.backends.triton_program import load_program
+    from portlayer.backends.tuning_runner import _step_inputs
+    from portlayer.codegen.program import write_program
+
+    write_program(generate(result.graph, result.plan, result.descriptor), tmp)
+    prog = load_program(tmp, result.graph.weights, "cpu", result.plan, use_graphs=False)
+    count = [0]
+
+    class Counted:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*a, **kw):
+                count[0] += 1
+                return launch(*a, **kw)
+
+            return run
+
+    for name, kernel in list(vars(prog.K).items()):
+        setattr(prog.K, name, Counted(kernel))
+
+    class VendorGemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"):
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    feeds, md, caches = _step_inputs(result.graph, [1] * batch, [16] * batch, 16, torch.float32, torch.device("cpu"))
+    with torch.inference_mode(), VendorGemms():
+        prog.run(feeds, md, caches)
+    return count[0]
+
+
+def test_predicted_launches_are_the_generated_programs_at_one_and_many_rows(tmp_path):
+    """At one row the few-rows kernel reads Q|K|V (and gate|up) in one launch with the norm prologue and the
+    SiLU*up epilogue inside; at 64 rows each linear is its own vendor GEMM and the norm and epilogue their own
+    kernels (codegen/kernels/gemm_group.py). The model's launch count equals the program's, counted by running it."""
     raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
     assert raw["tuning"]["gemv_max_tokens"] == 1 and raw["tuning"]["triton_gemm_max_tokens"] == 0
-    recs = [k for k in gpu.graph.meta["kernels"] if k.get("family") == "gemm"]
-    fused = sum(bool(k.get("prologue")) + bool(k.get("epilogue")) for k in recs)
-    assert fused > 0
-    one = predict(gpu.graph, gpu.plan, raw, "decode", batch=1, context=16)
-    many = predict(gpu.graph, gpu.plan, raw, "decode", batch=64, context=16)
-    assert many.launches - one.launches == fused
+    fp32 = run_pipeline(tiny_decoder(tied=False), "nvidia-h200", overrides={"compute_dtype": "float32"})  # interpretable
+    for batch in (1, 2):  # 2 rows: past the few-rows rule (1), a quick interpreted step
+        predicted = predict(fp32.graph, fp32.plan, raw, "decode", batch=batch, context=16).launches
+        assert predicted == _program_launches(fp32, batch, tmp_path / f"b{batch}"), batch
 
 
 def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(gpu):
     """Calibration times an eager one-kernel and two-kernel generated program: the step's host time is the
-    one-kernel step plus the difference for every further kernel (not the whole step per kernel)."""
+    one-kernel step plus the difference for every further kernel (not the whole step per kernel); at 8 rows
+    every linear is its own GEMM launch (counted from the graph: at least one launch per linear node)."""
     raw = synthetic("nvidia-h200", bandwidth=1e12, tflops=1e12)
     raw["calibration"] = {"launch_us": {"eager_us": 5.0, "triton_us": 60.0, "triton_kernel_us": 10.0}}
     p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
     assert not p.graphs and p.host_ms == pytest.approx((50.0 + 10.0 * p.launches) / 1e3, rel=1e-6)
+    assert p.launches >= sum(1 for n in gpu.graph.nodes if n.op == "linear")
     del raw["calibration"]["launch_us"]["triton_kernel_us"]
     p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)
     assert p.host_ms == pytest.approx(60.0 * p.launches / 1e3, rel=1e-6)
@@ -279,3 +323,35 @@ def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
     pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)
     del raw["calibration"]
     assert attn(pre) == pytest.approx(attn(predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)), rel=1e-9)
+
+
+def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batch(gpu):
+    """calibration.graph_step (a replayed decode step's host cost when each step is waited for, at two batches):
+    a graph-replayed decode step is its kernels plus that cost at the step's batch (linear between the points)
+    plus copying the outputs out of the static buffers; eager steps and uncalibrated descriptors are unchanged."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    base = {b: predict(gpu.graph, gpu.plan, raw, "decode", batch=b, context=32) for b in (1, 8, 64)}
+    raw["calibration"] = {"graph_step": {"context": 16, "points": [{"batch": 1, "host_us": 40.0},
+                                                                    {"batch": 64, "host_us": 103.0}]}}
+    out_row_bytes = sum(t.nbytes({"num_tokens": 1, "num_seqs": 1, gpu.graph.meta.get("token_symbol", "num_tokens"): 1})
+                        for o, t in gpu.graph.value_types().items() if o in gpu.graph.outputs)
+    for b, host in ((1, 40.0), (8, 47.0), (64, 103.0)):
+        p = predict(gpu.graph, gpu.plan, raw, "decode", batch=b, context=32)
+        assert p.graphs
+        copy_us = 2 * b * out_row_bytes / (1000.0 * 1e3)
+        assert p.ms - base[b].ms == pytest.approx((host + copy_us) / 1e3, rel=1e-6)
+    pre = [predict(gpu.graph, gpu.plan, r, "prefill", tokens=16).ms for r in (raw, synthetic("nvidia-h200", 1000.0))]
+    assert pre[0] == pytest.approx(pre[1], rel=1e-9)
+
+
+def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(gpu):
+    """calibration.launch_us.graph_node_host_us: a replayed decode step pays it once per launch of the step
+    (launches counted by the model from the graph's kernel groups); eager prefill does not."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    before = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
+    pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms
+    raw["calibration"] = {"launch_us": {"eager_us": 1e-9, "graph_us": None, "graph_node_host_us": 0.75}}
+    after = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
+    assert after.launches == before.launches > 0
+    assert after.ms - before.ms == pytest.approx(after.launches * 0.75 / 1e3, rel=1e-6)
+    assert predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)
