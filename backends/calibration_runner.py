@@ -182,6 +182,9 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
         # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
         small, _, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
+        # and a 16 x 16 weight: what the timed one-linear program costs beyond its GEMM (the output copy, the
+        # replay of a graph this short), which a kernel among a model's hundreds does not pay
+        tiny, _, _ = _path_times(pipeline, dev, desc, dtype, 16, [("gemv", 0, GEMV_MAX_ROWS, [1])], sizes.iters, tmp)
         per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
@@ -194,10 +197,11 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
                   + f"; at K=N={small_k} triton/gemv us: "
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}" for p in points_small)
-                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
+                  + f"; a 16x16 program {tiny['gemv'][1]:.3g} us; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
                   f"each further kernel {per_kernel:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
-                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
+                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes),
+                               "program_us": sig(tiny["gemv"][1])},
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host),
             # a difference of two host timings: kept only when it is a plausible share of the one-kernel step
             "triton_kernel_us": sig(per_kernel) if 0.5 <= per_kernel <= host else None}
@@ -269,7 +273,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
     """Host microseconds a replayed decode step adds to its kernels when each step is waited for (as `portlayer
     bench` times it): the program's static-buffer copies, the replay call, the output copy and the wait.
     Timed at batch 1 and the largest batch of ``sizes.attn_points`` over a short context, minus the device time
-    the generated-attention fit gives the step's attention and one in-graph launch per embedding kernel."""
+    the generated-attention fit gives the step's attention (its three tiny embedding kernels stay in: ~1 us each)."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.capabilities.calibrate_attention import paged_case

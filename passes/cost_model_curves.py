@@ -56,6 +56,7 @@ class Curves:
     launch_us: float
     graph_launch_us: float | None
     sweep: tuple[tuple[int, float], ...] = ()  # (bytes, copy GB/s)
+    sweep_read: tuple[float, ...] = ()  # the sweep's read GB/s (a sum) at each size
     gemm: Mapping[str, tuple[tuple[int, float], ...]] = None  # dtype -> (M, us at K = N = gemm_k)
     gemm_k: int = 0
     attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps (torch-family fit)
@@ -68,6 +69,7 @@ class Curves:
     crossover_k: int = 0
     crossover_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same paths at K = N = crossover_small_k
     crossover_small_k: int = 0
+    crossover_program_us: float = 0.0  # what the timed one-linear program adds beyond its GEMM kernel
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
     generated_kernel_us: float | None = None  # what each further generated kernel adds to an eager step's host time
     generated_attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps of the generated decode attention
@@ -118,12 +120,14 @@ class Curves:
         return Curves(
             bandwidth_gbps=float(raw["memory"]["bandwidth_gbps"]), tflops=dict(raw["throughput_tflops"]),
             launch_us=float(launch.get("eager_us") or raw.get("launch_overhead_us") or 5.0),
-            graph_launch_us=launch.get("graph_us"), sweep=sweep, gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
+            graph_launch_us=launch.get("graph_us"), sweep=sweep,
+            sweep_read=tuple(float(r.get("read_gbps") or 0.0) for r in cal.get("bandwidth_sweep", ())), gemm=gemm, gemm_k=int(cal.get("gemm_k") or 0),
             attention={k: float(attn[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in attn else None,
             calibrated=bool(sweep), attention_points=tuple(attn.get("points") or ()), gemm_small=small,
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             crossover_small={k: v for k, v in paths_small.items() if v}, crossover_small_k=int(cross.get("k_small") or 0),
+            crossover_program_us=max(0.0, float(cross.get("program_us") or 0.0) - float(launch.get("graph_us") or 0.0)),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
             generated_kernel_us=launch.get("triton_kernel_us"),
             generated_attention={k: float(gen[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in gen else None,
@@ -168,6 +172,14 @@ class Curves:
         span = max(1.0, e["big_bytes"] - e["bytes"])
         return fixed + grow * max(0.0, nbytes - e["bytes"]) / span
 
+    def read_gbps(self) -> float:
+        """The sweep's read rate (a sum over the buffer) at its largest working set, past every cache, at least
+        the copy bandwidth: what a kernel that only reads a cold weight can reach (a copy moves as many bytes
+        written as read: 2.8 TB/s against a 4.3 TB/s read on the H200). Not the fastest read of the sweep,
+        which on a CPU is a cache's (54 GB/s at 1 MiB against 9.8 from DRAM)."""
+        largest = float(self.sweep_read[-1]) if self.sweep_read else 0.0
+        return max(self.bandwidth_gbps, largest)
+
     def floor_us(self) -> float:
         return self.memory_us(1.0) if self.sweep else 0.0
 
@@ -175,14 +187,17 @@ class Curves:
         """One GEMM of M rows by a [N, K] weight: the calibrated small-M curve scaled by K*N, or the peaks.
 
         ``path`` triton / gemv: the generated kernels' crossover timings where calibration measured them."""
-        floor = nbytes / (self.bandwidth_gbps * 1e3)
+        floor = nbytes / (self.read_gbps() * 1e3)  # a GEMM reads its weight: no faster than the best read
         measured = (self.crossover or {}).get(path) if path != "vendor" else None
         if measured and self.crossover_k:
-            at = _at(measured, m)
+            # the timed program's own extra (its output copy, a one-kernel replay) is not the kernel's
+            extra = self.crossover_program_us
+            at = max(0.0, _at(measured, m) - extra)
             small = (self.crossover_small or {}).get(path)
             if small and self.crossover_small_k and m <= small[-1][0]:  # two sizes: fixed + proportional to K*N
-                return max(_fixed_plus_proportional(at, _at(small, m), self.crossover_k, self.crossover_small_k, k * n),
-                           floor)
+                fit = _fixed_plus_proportional(at, max(0.0, _at(small, m) - extra), self.crossover_k,
+                                               self.crossover_small_k, k * n)
+                return max(fit, floor, self.graph_launch_us or 0.0)
             return max(at * (k * n) / self.crossover_k**2, floor)
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:
