@@ -37,7 +37,12 @@ def lower_views(ctx: GenContext, group: KernelGroup) -> GroupCode:
 
 def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     """Codegen context from the Plan's launch configs and the descriptor's facts."""
-    from portlayer.codegen.gemm_rule import gemv_max_tokens, gemv_max_weight_bytes, triton_gemm_max_tokens
+    from portlayer.codegen.gemm_rule import (
+        gemv_max_tokens,
+        gemv_max_weight_bytes,
+        triton_gemm_max_tokens,
+        wq_vendor_min_tokens,
+    )
 
     launch = {}
     if plan is not None and descriptor.codegen == "triton":
@@ -46,6 +51,7 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
                       triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0,
                       gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
+                      wq_vendor_min_tokens=wq_vendor_min_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
 
 

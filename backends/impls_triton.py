@@ -14,7 +14,6 @@ from portlayer.capabilities.descriptor import Descriptor
 from portlayer.codegen.expr import POINTWISE_OPS
 from portlayer.codegen.kernels.attention import build_attention
 from portlayer.codegen.kernels.embedding import build_embedding
-from portlayer.codegen.kernels.gemm import accepts_gemm, build_gemm
 from portlayer.codegen.kernels.gemm_group import accepts_gemm_group, build_gemm_group, gemm_group_scratch
 from portlayer.codegen.kernels.pointwise import accepts_pointwise, build_pointwise
 from portlayer.codegen.kernels.reduction import accepts_reduction, build_reduction
@@ -118,7 +117,8 @@ def _wq_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:
 
 
 implementation("linear_wq", name="triton.gemm_wq", family="triton", priority=30, supported=TRITON,
-               supports=_wq_ok, accepts=accepts_gemm, fusible=True, epilogue=True)(build_gemm)
+               supports=_wq_ok, accepts=accepts_gemm_group, scratch=gemm_group_scratch, fusible=True,
+               epilogue=True)(build_gemm_group)
 
 
 def _attn_ok(node: Node, types: Mapping[str, TensorType]) -> Verdict:

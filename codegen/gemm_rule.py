@@ -11,6 +11,10 @@ Below both, ``tuning.gemv_max_tokens``: at or below it (decode) the few-rows ker
 padding the rows to a tensor-core tile; weight-only quantized linears use it too. Weights above
 ``tuning.gemv_max_weight_mib`` (a vocabulary projection, say) keep the vendor GEMM at every row
 count: where one launch streams hundreds of megabytes, cuBLAS's GEMV reads faster.
+
+Weight-only quantized linears (``linear_wq``) above the few-rows rule: from
+``tuning.wq_vendor_min_tokens`` rows the weight is dequantized into a temporary (one launch) and the
+vendor GEMM runs on it; below it (or without the field) the Triton weight-only GEMM.
 """
 
 from __future__ import annotations
@@ -35,3 +39,9 @@ def gemv_max_weight_bytes(descriptor: Any) -> int:
 def triton_gemm_max_tokens(descriptor: Any) -> int:
     """The descriptor's measured crossover ($.tuning.triton_gemm_max_tokens), else 0."""
     return int(_tuning(descriptor, "triton_gemm_max_tokens"))
+
+
+def wq_vendor_min_tokens(descriptor: Any) -> int:
+    """Rows from which a weight-only quantized linear dequantizes its weight into a temporary and runs the
+    vendor GEMM ($.tuning.wq_vendor_min_tokens), else 0: never (the Triton weight-only GEMM at every row count)."""
+    return int(_tuning(descriptor, "wq_vendor_min_tokens"))

@@ -302,8 +302,9 @@ def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, to
     cap = float(tuning.get("gemv_max_weight_mib", 0)) * 2**20
     if m <= int(tuning.get("gemv_max_tokens", 0)) and (cap <= 0 or weight_bytes <= cap):
         return "gemv"
-    if impl == "triton.gemm_wq":  # weight-only quantized: always a generated kernel
-        return "triton"
+    if impl == "triton.gemm_wq":  # weight-only quantized: generated, or dequantize + vendor from wq_vendor_min_tokens
+        start = int(tuning.get("wq_vendor_min_tokens", 0))
+        return "vendor" if 0 < start <= m else "triton"
     return "triton" if m <= int(tuning.get("triton_gemm_max_tokens", 0)) else "vendor"
 
 

@@ -178,7 +178,9 @@ def can_fuse(st: FuseState, a: int, b: int, users: Mapping[str, list[Node]]) -> 
         return ok, why
     if _reaches(st, st.members[a], st.members[b], users) or _reaches(st, st.members[b], st.members[a], users):
         return False, "a node outside both groups sits between them (fusing would form a cycle)"
-    ext = st.external_inputs(merged)
+    # a quantized weight's scales / offsets are read with its integers, tile by tile: one operand, not three
+    parts = {n.inputs[j] for n in comp if n.op == "linear_wq" for j in (2, 4) if len(n.inputs) > j and n.inputs[j]}
+    ext = [i for i in st.external_inputs(merged) if i not in parts]
     if len(ext) > st.max_inputs:
         return False, f"{len(ext)} inputs exceed max_fused_inputs={st.max_inputs} (plan: registers / shared memory)"
     view = _interior_view(st, merged)

@@ -68,8 +68,10 @@ def _kernels_dir(graph, descriptor: str, out: Path) -> set[str]:
 
     (out / "kernels").mkdir(parents=True)
     meta, families = {}, set()
-    for desc_, q in ((descriptor, "none"), (descriptor, "int8"), (str(_with_gemv(descriptor, out)), "none")):
-        r = run_pipeline(graph, desc_, overrides={"weight_quantization": q})
+    # the last: nothing fused, so the K/V write stays its own kernel (the fused programs store K/V in the rope kernel)
+    for desc_, q, opts in ((descriptor, "none", {}), (descriptor, "int8", {}), (str(_with_gemv(descriptor, out)), "none", {}),
+                           (descriptor, "none", {"max_fused_inputs": 1})):
+        r = run_pipeline(graph, desc_, overrides={"weight_quantization": q}, options=opts)
         gen = generate(r.graph, r.plan, r.descriptor)
         assert gen.fallbacks == []
         for name, src in gen.kernel_sources().items():

@@ -28,6 +28,7 @@ class GenContext:
     triton_gemm_max_tokens: int = 0
     gemv_max_tokens: int = 0
     gemv_max_weight_bytes: int = 0
+    wq_vendor_min_tokens: int = 0  # linear_wq: dequantize + vendor GEMM from these rows (0: never; gemm_rule)
     shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)

@@ -4,8 +4,14 @@ or the vendor GEMM through torch followed by the epilogue as one pointwise kerne
 For an unquantized ``linear`` the choice is made per step from the token count (the rule is
 codegen/gemm_rule.py's, from the descriptor); the fused epilogue then needs the linear's own
 output in memory on the vendor path, which the lowering declares as scratch so the memory plan
-places it. ``linear_wq`` always runs the Triton kernel: the weight is dequantized tile by tile in
-the K loop, so no integer tensor ever reaches torch.mm and no float copy of the weight exists.
+places it. ``linear_wq`` runs the Triton kernels (the few-rows one at decode, the tiled one above),
+the weight dequantized tile by tile in the K loop, so no integer tensor ever reaches torch.mm; from
+``tuning.wq_vendor_min_tokens`` rows one launch dequantizes the weight into a temporary in the
+activation's dtype (freed after the group: the allocator hands the same block to the next layer) and the
+vendor GEMM runs on it. Why: the tiled kernel launches ceil(N / BLOCK_N) programs at any row count up to
+its row tile (8-24 programs on the H200's 132 SMs for the 0.6B shape's projections at 64 rows), each
+walking all of K alone; the vendor GEMM splits that work, and the dequantize costs one read of the
+integers and one write of the float weight.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
 from portlayer.codegen.host_support import gemm_block_m_choices, gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
+from portlayer.codegen.kernels.gemm_quant import dequant_vendor, layout_text, quant_layout
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import FLOAT_DTYPES, Param, pow2, ptr, short_dtype
@@ -29,8 +36,8 @@ GEMM_IDX = IndexContext(full="offs", mask="cmask", row="rm[:, None]", col="rn[No
 
 
 def siblings(nodes: list[Node]) -> bool:
-    """Several plain linears and nothing else: the horizontal group of projections of one input."""
-    return len(nodes) > 1 and all(n.op == "linear" for n in nodes)
+    """Several linears (plain or weight-only quantized) and nothing else: the projections of one input."""
+    return len(nodes) > 1 and all(n.op in ("linear", "linear_wq") for n in nodes)
 
 
 def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
@@ -38,6 +45,10 @@ def _accepts_siblings(query: GroupQuery, nodes: list[Node]) -> tuple[bool, str]:
     for n in nodes:
         if n.inputs[0] != x:
             return False, f"{n.name} reads {n.inputs[0]}, not {x}: only projections of one input share a launch"
+        lay, first = quant_layout(n, query.types), quant_layout(nodes[0], query.types)
+        if lay != first:
+            return False, (f"{layout_text(nodes[0], first)} and {layout_text(n, lay)}: one launch reads one weight "
+                           "layout (quantize the siblings alike, or they run as separate kernels)")
         if query.types[n.inputs[1]].dtype != query.types[nodes[0].inputs[1]].dtype:
             return False, "the sibling weights differ in dtype"
         if n.outputs[0].type.dtype != nodes[0].outputs[0].type.dtype:
@@ -103,10 +114,11 @@ def epilogue_shape_refusal(epi: list[Node], out_shape: Any) -> str:
 
 
 def gemm_scratch(group: KernelGroup) -> list[str]:
-    """The vendor path writes the linear's output before the epilogue kernel reads it."""
+    """The vendor path writes the linear's output before the epilogue kernel reads it (declared whether or
+    not this descriptor takes the path: scratch is asked of a group, not of a target)."""
     lin = group.nodes[0]
-    if lin.op == "linear" and len(group.nodes) > 1 and not siblings(group.nodes):
-        return [lin.outputs[0].name]
+    if lin.op in ("linear", "linear_wq") and len(group.nodes) > 1 and not siblings(group.nodes):
+        return [lin.outputs[0].name]  # linear_wq: the dequantize + vendor path (tuning.wq_vendor_min_tokens)
     return []
 
 
@@ -138,6 +150,24 @@ def _gemv_blocks(cfg: dict[str, int], n: int, k: int, group: int = 32) -> tuple[
     return bn, bk
 
 
+def quant_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, BLOCK_K, in_group, least BLOCK_K) of a quantized few-rows kernel: the K tile lies inside one
+    group (per channel, large or non-power-of-two groups: the largest power of two dividing the group) or
+    holds whole power-of-two groups; ``least`` bounds the tile gemv_blocks narrows as rows grow.
+    linear_wq's lowering takes groups that are multiples of 16 (int8) / 32 (int4), so a tile always exists."""
+    cfg = {**cfg, "TILE": max(32, cfg["TILE"] // tile_parts)}
+    bn, bk = _gemv_blocks(cfg, n, k)
+    if group % bk == 0:
+        return bn, bk, True, min(32, bk)
+    if pow2(group) == group:
+        bn, bk = _gemv_blocks(cfg, n, k, max(32, group))
+        return bn, bk, bk <= group, min(bk, max(32, group))
+    d = 1
+    while group % (d * 2) == 0 and d * 2 <= bk:
+        d *= 2
+    return bn, d, True, d
+
+
 def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False, prologue: Any = None):
     """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes);
     ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products;
@@ -167,9 +197,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     if few_rows:
         bn, bk = _gemv_blocks(cfg, n_out, k_in)
         if quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
-            quant["in_group"] = gsize % bk == 0
-            if not quant["in_group"]:
-                bn, bk = _gemv_blocks(cfg, n_out, k_in, max(32, gsize))
+            bn, bk, quant["in_group"], quant["least"] = quant_tiles(cfg, n_out, k_in, gsize)
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -212,6 +240,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         epilogue_lines=body.lines if body else [], epilogue_result=body.results[out_name] if body else "y",
         round_dtype=round_dtype(out_t.dtype), prologue=prologue.template if prologue is not None else None,
     )
+    if quant and few_rows:
+        spec.extra["gemv_least"] = quant["least"]  # the narrowest K tile gemv_blocks may pick (_gemv_lines)
     args += [op.value for op in epi_ops] + [out_name]
     return spec, args, const, cfg
 
@@ -230,20 +260,12 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg, tai
     consts = ", ".join(f"{c}={v}" for c, v in const.items() if c not in ("BLOCK_M", "BLOCK_K"))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
-    least = f", {const['G']}" if "G" in const and const["G"] < const["BLOCK_K"] else ""
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"],
-                                              *([const["G"]] if least else []))
+    low = int(spec.extra.get("gemv_least", 32))
+    least = f", {low}" if low != 32 else ""
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"], low)
     return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
-
-
-def _few_rows_takes(ctx: GenContext, lin: Node, group_size: int) -> bool:
-    """Quantized weights: a K tile inside one group, or spanning whole power-of-two groups."""
-    if not group_size:
-        return True
-    _, bk = _gemv_blocks(ctx.cfg("gemv"), int(ctx.types[lin.inputs[1]].shape[0]), int(ctx.types[lin.inputs[0]].shape[-1]))
-    return group_size % bk == 0 or pow2(group_size) == group_size
 
 
 def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]) -> list[str]:
@@ -290,18 +312,29 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     code = GroupCode(buffers=[out_name])
     m = host_numel(ctx.types[lin.inputs[0]].shape[:-1])
     few: list[tuple[int, list[str], str]] = []
-    group_size = int(lin.attrs.get("group_size") or 0) if lin.op == "linear_wq" else 0
     weight = ctx.types[lin.inputs[1]]
     small = ctx.gemv_max_weight_bytes <= 0 or weight.nbytes({}) <= ctx.gemv_max_weight_bytes
-    if few_rows and small and _few_rows_takes(ctx, lin, group_size):
+    if few_rows and small:  # quantized: quant_tiles finds a K tile for every group linear_wq's lowering takes
         spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
         code.kernels.append(spec)
         few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),
                 "gemm_rule: a few rows read W once on the CUDA cores")]
     if lin.op == "linear_wq":
-        spec, args, const, cfg = build_gemm_kernel(ctx, group)
-        code.kernels.append(spec)
-        code.lines = _by_rows(m, few, _triton_lines(ctx, group, spec, args, const, cfg))
+        start = ctx.wq_vendor_min_tokens
+        # rows a few-rows kernel takes: this group's, or its caller's (few_rows=False: gemm_group / siblings)
+        low = ctx.gemv_max_tokens if few or (not few_rows and small) else 0
+        tiled: list[str] = []
+        if start <= 0 or start - 1 > low:  # the Triton weight-only GEMM runs at some row count
+            spec, args, const, cfg = build_gemm_kernel(ctx, group)
+            code.kernels.append(spec)
+            tiled = _triton_lines(ctx, group, spec, args, const, cfg)
+        if start <= 0:
+            code.lines = _by_rows(m, few, tiled)
+            return code
+        vendor = dequant_vendor(ctx, group, code)
+        if tiled:  # between the few-rows rule and the vendor path
+            few = [*few, (start - 1, tiled, "gemm_rule: below tuning.wq_vendor_min_tokens the Triton weight-only GEMM")]
+        code.lines = _by_rows(m, few, vendor)
         return code
     x, w = lin.inputs[0], lin.inputs[1]
     bias = lin.inputs[2] if len(lin.inputs) > 2 else None

@@ -58,8 +58,8 @@ def _accepts_prologue(query: GroupQuery, parts: GemmParts, members: set[str]) ->
         return False, f"the prologue normalises [rows, K] float rows, not {x_t}"
     cap = int(getattr(query, "gemv_weight_bytes", 0))
     for n in parts.linears:
-        if n.op != "linear":
-            return False, f"{n.name} is {n.op}: the quantized few-rows kernel takes no norm prologue"
+        if n.op not in ("linear", "linear_wq"):
+            return False, f"{n.name} is {n.op}: the few-rows kernels take a linear or linear_wq"
         if cap > 0 and query.types[n.inputs[1]].nbytes({}) > cap:
             return False, (f"{n.name}'s weight is above tuning.gemv_max_weight_mib: the vendor GEMM runs it at "
                            "every row count, so the norm stays its own kernel")
@@ -135,8 +135,8 @@ def _sub(group: KernelGroup, tag: str, nodes: list[Node], outputs: list[str]) ->
 
 def _few_rows_ok(ctx: GenContext, linears: list[Node]) -> bool:
     cap = ctx.gemv_max_weight_bytes
-    return ctx.gemv_max_tokens > 0 and all(n.op == "linear" and (cap <= 0 or ctx.types[n.inputs[1]].nbytes({}) <= cap)
-                                           for n in linears)
+    return ctx.gemv_max_tokens > 0 and all(n.op in ("linear", "linear_wq")
+                                           and (cap <= 0 or ctx.types[n.inputs[1]].nbytes({}) <= cap) for n in linears)
 
 
 def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:

@@ -16,6 +16,7 @@ from typing import Any
 from portlayer.codegen.expr import load_line, lower_chain
 from portlayer.codegen.host_support import gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
+from portlayer.codegen.kernels.gemm_quant import bias_of
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
@@ -59,15 +60,51 @@ def norm_prologue(ctx: GenContext, prologue: list[Node], outputs: list[str]) -> 
                         [add.outputs[0].name] if store_sum else [])
 
 
-def _blocks(ctx: GenContext, n: int, k: int, parts: int = 1) -> tuple[int, int]:
-    from portlayer.codegen.kernels.gemm import _gemv_blocks
+@dataclass
+class Weights:
+    """The weights of a shared few-rows launch: their kernel parameters and arguments, the tiles, and the
+    quantized layout (None: float weights; gemm.accepts_gemm made sure all share one layout)."""
+
+    params: list[Param]
+    args: list[str]
+    bn: int
+    bk: int
+    quant: dict[str, Any] | None
+    least: int = 32
+
+    @property
+    def const(self) -> dict[str, int]:
+        return {"G": self.quant["G"]} if self.quant else {}
+
+    @property
+    def tag(self) -> str:
+        return f"w{self.quant['bits']}{'a' if self.quant['offsets'] else ''}_" if self.quant else ""
+
+    def blocks_call(self, m: str) -> str:
+        return f"bm, bk = gemv_blocks({m}, {self.bk}{f', {self.least}' if self.least != 32 else ''})"
+
+
+def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 1) -> Weights:
+    """``n``: the columns the programs split (their sum for siblings, one weight's for a joint launch);
+    ``parts``: weights each program reads side by side (its W tile budget is shared among them)."""
+    from portlayer.codegen.kernels.gemm import _gemv_blocks, quant_tiles
 
     cfg = ctx.cfg("gemv")
-    return _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k)
-
-
-def _bias(n: Node) -> str | None:
-    return n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else None
+    if linears[0].op != "linear_wq":
+        bn, bk = _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k)
+        return Weights([Param(f"w{i}_ptr", ptr(ctx.types[x.inputs[1]].dtype)) for i, x in enumerate(linears)],
+                       [x.inputs[1] for x in linears], bn, bk, None)
+    lin = linears[0]
+    bits, group = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
+    offsets = len(lin.inputs) > 4 and lin.inputs[4] is not None
+    bn, bk, in_group, least = quant_tiles(cfg, n, k, group, parts)
+    params: list[Param] = []
+    args: list[str] = []
+    for i, x in enumerate(linears):
+        names = [x.inputs[1], x.inputs[2]] + ([x.inputs[4]] if offsets else [])
+        params += [Param(f"{c}{i}_ptr", ptr(ctx.types[v].dtype)) for c, v in zip("qso", names)]
+        args += names
+    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "in_group": in_group, "G": group}, least)
 
 
 def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None) -> tuple[KernelSpec, list[str]]:
@@ -76,32 +113,36 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None)
     ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in linears]
     k_in = int(x_t.shape[-1])
     cfg = ctx.cfg("gemv")
-    bn, bk = _blocks(ctx, sum(ns), k_in)
+    ws = _weights(ctx, linears, sum(ns), k_in)
+    bn, bk = ws.bn, ws.bk
     parts = len(linears)
-    biases = [_bias(n) for n in linears]
+    biases = [bias_of(n) for n in linears]
     out_t = linears[0].outputs[0].type
     head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
-    params = (head + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(linears)]
+    params = (head + ws.params
               + [Param(f"b{i}_ptr", ptr(ctx.types[b].dtype)) for i, b in enumerate(biases) if b]
               + [Param(f"c{i}_ptr", ptr(out_t.dtype)) for i in range(parts)] + [Param(f"N{i}", "i32") for i in range(parts)]
               + [Param("M", "i32")] + ([Param("eps", "fp32")] if pro else [])
-              + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
-    const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+              + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K", *ws.const)])
+    const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, **ws.const}
     starts = ["0"] + [" + ".join(f"tl.cdiv(N{j}, BLOCK_N)" for j in range(i + 1)) for i in range(parts)]
-    variant = f"x{parts}_" + ("bias_" if any(biases) else "") + (pro.variant if pro else "") + short_dtype(x_t.dtype)
+    variant = (f"x{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
+               + short_dtype(x_t.dtype))
     spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], starts=starts,
-                       prologue=pro.template if pro else None,
-                       doc=f"{parts} matrix multiplies of one activation for few rows, in one launch.")
+                       prologue=pro.template if pro else None, quant=ws.quant,
+                       doc=("Weight-only quantized: " if ws.quant else "")
+                       + f"{parts} matrix multiplies of one activation for few rows, in one launch.")
     m = host_numel(x_t.shape[:-1])
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk, ws.least)
     grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
-    args = [*(pro.args if pro else [linears[0].inputs[0]]), *(n.inputs[1] for n in linears), *(b for b in biases if b),
+    args = [*(pro.args if pro else [linears[0].inputs[0]]), *ws.args, *(b for b in biases if b),
             *(n.outputs[0].name for n in linears), *(str(n) for n in ns)]
     tail = f", {pro.eps!r}" if pro else ""
-    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
+    consts = "".join(f", {c}={v}" for c, v in ws.const.items())
+    return spec, [ws.blocks_call(m),
                   f"K.{spec.name}[({grid},)]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, K={k_in}, "
-                  f"BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
+                  f"BLOCK_N={bn}{consts}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
 
 def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: NormPrologue | None
@@ -116,33 +157,35 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     k_in = int(x_t.shape[-1])
     parts = len(linears)
     cfg = ctx.cfg("gemv")
-    bn, bk = _blocks(ctx, n_out, k_in, parts)
+    ws = _weights(ctx, linears, n_out, k_in, parts)
+    bn, bk = ws.bn, ws.bk
     out_name = epilogue[-1].outputs[0].name
     out_t = ctx.types[out_name]
     body = lower_chain(epilogue, ctx.types, out_t.shape, GEMM_IDX,
                        bound={n.outputs[0].name: f"y{i}" for i, n in enumerate(linears)}, prefix="e")
-    biases = [_bias(n) for n in linears]
+    biases = [bias_of(n) for n in linears]
     head = pro.params if pro else [Param("a_ptr", ptr(x_t.dtype))]
-    params = (head + [Param(f"w{i}_ptr", ptr(ctx.types[n.inputs[1]].dtype)) for i, n in enumerate(linears)]
+    params = (head + ws.params
               + [Param(f"b{i}_ptr", ptr(ctx.types[b].dtype)) for i, b in enumerate(biases) if b]
               + [Param(f"{op.var}_ptr", ptr(op.dtype)) for op in body.operands]
               + [Param("c_ptr", ptr(out_t.dtype)), Param("M", "i32")] + ([Param("eps", "fp32")] if pro else [])
-              + [Param(c, "constexpr") for c in ("N", "K", "BLOCK_M", "BLOCK_N", "BLOCK_K")])
-    const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
-    variant = (f"j{parts}_" + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
+              + [Param(c, "constexpr") for c in ("N", "K", "BLOCK_M", "BLOCK_N", "BLOCK_K", *ws.const)])
+    const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, **ws.const}
+    variant = (f"j{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
                + "epi_" + "_".join(n.op for n in epilogue[:3]) + "_" + short_dtype(x_t.dtype))
     spec = make_kernel("triton/gemv_joint.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], prologue=pro.template if pro else None,
-                       rounds=[round_dtype(n.outputs[0].type.dtype) for n in linears],
+                       quant=ws.quant, rounds=[round_dtype(n.outputs[0].type.dtype) for n in linears],
                        epilogue_ptrs=[f"{op.var}_ptr" for op in body.operands],
                        epilogue_loads=[load_line(op, f"{op.var}_ptr", "cmask") for op in body.operands],
                        epilogue_lines=body.lines, epilogue_result=body.results[out_name],
                        doc=f"{parts} matrix multiplies of one activation and their fused epilogue for few rows, in one launch.")
     m = host_numel(x_t.shape[:-1])
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk)
-    args = [*(pro.args if pro else [x]), *(n.inputs[1] for n in linears), *(b for b in biases if b),
+    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk, ws.least)
+    args = [*(pro.args if pro else [x]), *ws.args, *(b for b in biases if b),
             *(op.value for op in body.operands), out_name]
     tail = f", {pro.eps!r}" if pro else ""
-    return spec, [f"bm, bk = gemv_blocks({m}, {bk})",
+    consts = "".join(f", {c}={v}" for c, v in ws.const.items())
+    return spec, [ws.blocks_call(m),
                   f"K.{spec.name}[(triton.cdiv({n_out}, {bn}),)]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, "
-                  f"N={n_out}, K={k_in}, BLOCK_N={bn}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"], out_name
+                  f"N={n_out}, K={k_in}, BLOCK_N={bn}{consts}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"], out_name
