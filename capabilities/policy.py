@@ -31,15 +31,6 @@ def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
-#: K+V bytes the paged decode attention loads per loop step: a 16-token page alone (8 KiB at 128 x bf16)
-#: left too few bytes in flight per program to stream the KV at bandwidth (H200: ~56% of the floor)
-DECODE_TILE_BYTES = 32 * 1024
-
-
-def _pow2_floor(n: float) -> int:
-    return 1 << max(0, int(math.floor(math.log2(max(n, 1)))))
-
-
 def system_memory_bytes() -> int:
     """Physical memory of this host (what an iGPU with unified memory shares)."""
     import os
@@ -346,12 +337,12 @@ class _Negotiation:
     def _attention(self, smem: int, item: float, warps: Any, scale: str, hd: int) -> None:
         r, bd = self.r, _pow2_ceil(hd)
         group = max(1, r.num_heads // max(1, r.num_kv_heads))
-        bn = _clamp(_pow2_floor(DECODE_TILE_BYTES // max(1, int(2 * bd * item))), 16, 128)
+        bn = max(16, self.v.get("kv_block_size") or 16)
         stage = int(2 * bn * bd * item)
         stages = _clamp(smem // max(stage, 1), 1, 3)
         cfg = {"num_warps": warps(128), "BLOCK_H": max(16, _pow2_ceil(group)), "BLOCK_N": bn, "BLOCK_D": bd, "num_stages": stages}
         self.add("launch.attention_decode", cfg,
-                 f"{bn} tokens per step (K+V tile {stage} B, ~{DECODE_TILE_BYTES // 1024} KiB in flight per step, gathered across KV blocks), GQA group {group} padded to >=16 rows for tl.dot; {stages} stages; 128 threads / {scale}")  # fmt: skip
+                 f"one KV block ({bn} tokens) per step, GQA group {group} padded to >=16 rows for tl.dot; K+V tile {stage} B -> {stages} stages; 128 threads / {scale}")  # fmt: skip
         measured = self.d.tuning.get("attention_prefill_block_m")
         bm = int(measured) if measured else 128 if smem // int((128 * bd + 2 * 64 * bd) * item) >= 2 else 64
         stage = int((bm * bd + 2 * 64 * bd) * item)

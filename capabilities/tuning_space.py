@@ -3,8 +3,7 @@
 Small on purpose (a handful per family, the default first): warps scaled by the warp size and
 capped by threads per unit, pipeline stages within shared memory, GEMM tiles whose stages fit.
 Row kernels (norms, embedding, rope, KV write) keep their block sizes, which the kernel needs to
-cover a whole row; only their warps vary. Prefill attention keeps its BLOCK_N; decode attention
-varies its tokens per step (BLOCK_N, gathered across KV blocks) as well as warps and stages. The few-rows
+cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N. The few-rows
 GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks.
 """
 
@@ -55,16 +54,6 @@ def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: 
                         if w * warp <= cu.max_threads_per_unit:
                             out.append({**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages, "num_warps": w})
                     break
-    elif family == "attention_decode" and {"BLOCK_N", "num_stages", "num_warps"} <= set(base):
-        # tokens per loop step (bytes in flight per program), then warps, then pipeline stages
-        bd, bn, s0 = base.get("BLOCK_D", 128), base["BLOCK_N"], base["num_stages"]
-
-        def fits(tokens: int, stages: int) -> bool:
-            return stages * 2 * tokens * bd * item <= smem
-
-        out += [{**base, "BLOCK_N": b} for b in (bn * 2, bn // 2) if 16 <= b <= 128 and fits(b, s0)]
-        out += [{**base, "num_warps": w} for w in _warps(base["num_warps"], warp, cu.max_threads_per_unit)]
-        out += [{**base, "num_stages": s} for s in (1, 2, 3) if s != s0 and fits(bn, s)]
     elif family.startswith("attention") and "num_stages" in base:
         bd, bn = base.get("BLOCK_D", 128), base.get("BLOCK_N", 64)
         stage = (base.get("BLOCK_M", 0) * bd + 2 * bn * bd) * item  # Q tile (prefill) + K and V tiles

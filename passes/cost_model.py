@@ -186,10 +186,9 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             else:
                 dev_us += curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
-            if (phase == "decode" and rec.get("impl") == "triton.paged_attention"
-                    and _decode_reduces(compute, types, batch, descriptor)):
-                # split-K decode attention at this batch size: a second kernel (the reduce) merges the partial
-                # results; a calibrated generated-attention fit timed both kernels already (device time)
+            if phase == "decode" and rec.get("impl") == "triton.paged_attention":
+                # split-K decode attention: a second kernel (the reduce) merges the partial results; a calibrated
+                # generated-attention fit timed both kernels already (device time)
                 if not curves.generated_attention:
                     part = curves.memory_us(2 * new_tokens * _heads(compute) * 4)
                     dev_us += max(part, per_launch) if graphs else part
@@ -250,20 +249,6 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         total = max(device_us, host_us)
     host = host_us / 1e3 if not (torch_family or graphs) else 0.0
     return StepPrediction(phase, batch, context, new_tokens, total / 1e3, groups, launches, graphs, host)
-
-
-def _decode_reduces(nodes: list[Node], types: Mapping[str, TensorType], batch: int,
-                    descriptor: Mapping[str, Any]) -> bool:
-    """Whether the generated decode attention runs its reduce at ``batch``: the host program splits each
-    sequence's KV only while batch x KV heads leaves the device short of programs (codegen/kernels/attention.py)."""
-    from portlayer.codegen.kernels.attention import decode_splits, max_decode_splits
-
-    cu = int((descriptor.get("compute_units") or {}).get("count") or 1)
-    for n in nodes:
-        if n.op == "attention":
-            hkv = int(types[n.inputs[1]].shape[1])
-            return decode_splits(batch, hkv, cu, max_decode_splits(cu, hkv)) > 1
-    return True
 
 
 def _heads(nodes: list[Node]) -> int:

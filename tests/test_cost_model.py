@@ -354,23 +354,6 @@ def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
     assert attn(pre) == pytest.approx(attn(predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)), rel=1e-9)
 
 
-def test_decode_reduce_is_counted_only_at_batches_that_split(gpu):
-    """The host program splits each sequence's KV while batch x KV heads is short of two waves of the compute
-    units; past that one kernel writes the output (codegen/kernels/attention.py): the prediction counts the
-    reduce launch per attention layer only where the split count is above 1. At 8 compute units and 2 KV heads:
-    batch 4 gives 8 programs (2 splits), batch 8 gives 16 (one split)."""
-    raw = synthetic("nvidia-h200", bandwidth=4000.0)
-    raw["compute_units"]["count"] = 8
-    layers = sum(1 for k in gpu.graph.meta["kernels"] if k.get("family") == "attention")
-    assert layers and KV_HEADS == 2
-    four = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64)
-    eight = predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64)
-    assert four.launches - eight.launches == layers
-    raw["compute_units"]["count"] = 132  # a big device splits both batches: the same launches
-    assert predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=64).launches == \
-        predict(gpu.graph, gpu.plan, raw, "decode", batch=8, context=64).launches == four.launches
-
-
 def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batch(gpu):
     """calibration.graph_step (a replayed decode step's host cost when each step is waited for, at two batches):
     a graph-replayed decode step is its kernels plus that cost at the step's batch (linear between the points)
@@ -401,18 +384,3 @@ def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(
     assert after.launches == before.launches > 0
     assert after.ms - before.ms == pytest.approx(after.launches * 0.75 / 1e3, rel=1e-6)
     assert predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)
-
-
-def test_predicted_decode_launches_follow_the_programs_split_count(tmp_path):
-    """On a 4-unit device (tiny decoder: 2 KV heads) the program splits the decode attention at batch 1 (its
-    reduce runs) and not at batch 4 (one kernel writes the output): the model's launch count equals the
-    program's at both, counted by running it."""
-    from portlayer.capabilities.descriptor import Descriptor
-
-    raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
-    raw["compute_units"]["count"] = 4
-    small = Descriptor.from_dict(raw, "nvidia-h200 with 4 compute units")
-    fp32 = run_pipeline(tiny_decoder(tied=False), small, overrides={"compute_dtype": "float32"})
-    got = {b: _program_launches(fp32, b, tmp_path / f"b{b}") for b in (1, 4)}
-    for batch, launches in got.items():
-        assert predict(fp32.graph, fp32.plan, raw, "decode", batch=batch, context=16).launches == launches, batch

@@ -129,11 +129,8 @@ def test_candidates_stay_inside_what_the_descriptor_allows(target):
             assert c["num_warps"] * d.warp_size <= min(1024, d.compute_units.max_threads_per_unit)
             if dec.name == "launch.gemm" and c != dec.value:
                 assert c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item <= smem
-            if dec.name == "launch.attention_prefill":
+            if dec.name.startswith("launch.attention"):
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
-            if dec.name == "launch.attention_decode":  # tokens per step vary; the K/V tiles' stages fit
-                assert c["BLOCK_D"] == dec.value["BLOCK_D"] and c["BLOCK_N"] in (16, 32, 64, 128)
-                assert c == dec.value or c["num_stages"] * 2 * c["BLOCK_N"] * c["BLOCK_D"] * item <= smem
             if dec.name in ("launch.reduction", "launch.embedding"):
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"]  # a row kernel covers its whole row
 

@@ -11,45 +11,10 @@ from portlayer.codegen.kernels.context import GenContext, dot_args, make_kernel
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
 
-#: the programs a decode launch aims at, in waves over the compute units: with fewer sequence x KV-head
-#: programs than that, each sequence's KV is split so the launch still fills the device. H200, 0.6B shape
-#: (scripts/gpu_attn_decode.py): batch 64 (512 programs) is fastest at 1 split (2..16 splits: 5-50% slower), batch 16 at
-#: the 3 this gives (1, 2, 4, 8, 16 all slower at context 512 and 2048), batch 1 at the most (16)
-SPLIT_WAVES = 2
-#: the largest K/V tile (tokens x padded head dim) one loop step loads: BLOCK_N shrinks for wide heads (MLA)
-MAX_TILE_ELEMENTS = 16384
-
-
-def max_decode_splits(compute_units: int, num_kv_heads: int) -> int:
-    """The most KV splits a decode sequence gets (MAX_SPLITS, which sizes the scratch): enough programs to
-    cover the compute units at batch 1, at most 16."""
-    return max(1, min(16, pow2(max(1, compute_units // max(1, num_kv_heads)))))
-
 
 def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
-    """max_decode_splits for the context's device."""
-    return max_decode_splits(ctx.compute_units, num_kv_heads)
-
-
-def decode_splits(num_decodes: int, num_kv_heads: int, compute_units: int, max_splits: int) -> int:
-    """Splits per sequence for a decode launch of ``num_decodes`` sequences: the fewest that make
-    num_decodes x num_kv_heads x splits cover SPLIT_WAVES waves of the compute units, at most ``max_splits``.
-    A function of the batch size only (never of the context), so one CUDA graph per batch size stays valid;
-    1 split means the decode kernel writes the output itself and no reduce runs."""
-    programs = max(1, num_decodes) * max(1, num_kv_heads)
-    return max(1, min(max_splits, -(-SPLIT_WAVES * compute_units // programs)))
-
-
-def splits_expr(num_kv_heads: int, compute_units: int, max_splits: int) -> str:
-    """decode_splits as the host program's expression over st.num_decodes (>= 1 where it runs)."""
-    return f"max(1, min({max_splits}, -(-{SPLIT_WAVES * compute_units} // (st.num_decodes * {max(1, num_kv_heads)}))))"
-
-
-def decode_block_n(cfg: dict[str, int], block_d: int) -> int:
-    """Tokens per loop step of the decode kernel: the Plan's BLOCK_N (a power of two >= 16, tl.dot's
-    minimum), smaller where a K/V tile of that many tokens would pass MAX_TILE_ELEMENTS."""
-    want = pow2(max(16, int(cfg.get("BLOCK_N", 16))))
-    return max(16, min(want, pow2(MAX_TILE_ELEMENTS // max(1, block_d) + 1) // 2))
+    """KV splits per decode sequence: enough programs to cover the compute units at batch 1."""
+    return max(1, min(16, pow2(max(1, ctx.compute_units // max(1, num_kv_heads)))))
 
 
 def _common(ctx: GenContext, node) -> dict[str, Any]:
@@ -94,23 +59,21 @@ def build_decode(ctx: GenContext, node):
     cfg = ctx.cfg("attention_decode")
     splits = num_splits(ctx, c["HKV"])
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
-    const.update(BLOCK_SIZE=16, BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]), BLOCK_H=max(16, pow2(c["GROUP"])),
-                 BLOCK_D=c["BLOCK_D"], MAX_SPLITS=splits, WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
+    const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits,
+                 WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
     kv = c["kv_dtype"]
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_cache_ptr", ptr(kv)), Param("v_cache_ptr", ptr(kv)),
               Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32"), Param("query_start_ptr", "*i32"),
               Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
-              Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"), Param("bt_stride", "i32"),
-              Param("num_splits", "i32"), Param("scale", "fp32")]
+              Param("seq_offset", "i32"), Param("bt_stride", "i32"), Param("scale", "fp32")]
     params += [Param(k, "constexpr") for k in const]
     spec = make_kernel("triton/attention_decode.py.j2", "attn_decode", short_dtype(c["dtype"]), params, const,
                        cfg["num_warps"], cfg["num_stages"], doc="Split-K paged decode attention.",
                        GROUP=c["GROUP"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
                        dot_args=dot_args(c["dtype"]))
-    reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "MAX_SPLITS": splits}
+    reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "NUM_SPLITS": splits}
     reduce_params = [Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
-                     Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"),
-                     Param("num_splits", "i32")]
+                     Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32")]
     reduce_params += [Param(k, "constexpr") for k in reduce_const]
     from portlayer.codegen.spec import KernelSpec
 
@@ -118,28 +81,6 @@ def build_decode(ctx: GenContext, node):
                         params=reduce_params, constexprs=reduce_const, num_warps=cfg["num_warps"],
                         doc="Merge of the split-K partial results.", extra={"module": spec.name})
     return spec, reduce, const, c, cfg
-
-
-def decode_launch_lines(ctx: GenContext, dec, red, kconst: dict[str, Any], kcfg: dict[str, int], q: str,
-                        k_cache: str, v_cache: str, out: str, scale: str) -> list[str]:
-    """Host lines (inside ``if st.num_decodes:``, 8 spaces deep) that launch the decode kernel with the split
-    count of this batch size, and the reduce only where there is more than one split."""
-    def consts(d: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in d.items() if k not in skip)
-
-    expr = splits_expr(kconst["HKV"], ctx.compute_units, kconst["MAX_SPLITS"])
-    return [
-        f"        attn_splits = {expr}  # per batch size, not context: graph-safe (decode_splits)",
-        f"        K.{dec.name}[(st.num_decodes, {kconst['HKV']}, attn_splits)](",
-        f"            {q}, {k_cache}, {v_cache}, st.block_tables, st.seq_lens, st.query_start_loc,",
-        f"            self.part_out, self.part_max, self.part_sum, {out}, st.num_prefills, st.bt_stride, attn_splits,",
-        f"            {scale}, {consts(kconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
-        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
-        "        if attn_splits > 1:",
-        f"            K.{red.name}[(st.num_decodes, {kconst['HQ']})](",
-        f"                self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills,",
-        f"                attn_splits, {consts(red.constexprs)}, num_warps={kcfg['num_warps']})",
-    ]
 
 
 def build_cache_write(ctx: GenContext, node):
@@ -186,12 +127,19 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
         f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
         "    if st.num_decodes:",
-        *decode_launch_lines(ctx, dec, red, kconst, kcfg, q, "k_cache", "v_cache", out, s),
+        f"        K.{dec.name}[(st.num_decodes, {c['HKV']}, {kconst['NUM_SPLITS']})](",
+        f"            {q}, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,",
+        f"            self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, {s},",
+        f"            {consts(kconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
+        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
+        f"        K.{red.name}[(st.num_decodes, {c['HQ']})](",
+        f"            self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills,",
+        f"            {consts(red.constexprs)}, num_warps={kcfg['num_warps']})",
         "else:",
         f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {c['HQ']})](",
         f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {consts(dconst)},",
         f"        num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
     ]
     code = GroupCode(([] if written else [cache]) + [pre, dense, dec, red], lines, [out])
-    code.kernels[-1].extra["scratch"] = (c["HQ"], kconst["MAX_SPLITS"], c["BLOCK_D"])
+    code.kernels[-1].extra["scratch"] = (c["HQ"], kconst["NUM_SPLITS"], c["BLOCK_D"])
     return code

@@ -17,7 +17,7 @@ from portlayer.codegen.host_support import HostProgram, W_T, gemm_block_m, gemv_
 
 class Program(HostProgram):
     KERNELS = (
-        "attn_decode_bf16_f524eb",
+        "attn_decode_bf16_9f9fe9",
         "attn_prefill_dense_bf16_02d7e6",
         "attn_prefill_paged_bf16_fbf2dd",
         "embedding_bf16_2a9561",
@@ -85,16 +85,14 @@ class Program(HostProgram):
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                attn_splits = max(1, min(16, -(-264 // (st.num_decodes * 2))))  # per batch size, not context: graph-safe (decode_splits)
-                K.attn_decode_bf16_f524eb[(st.num_decodes, 2, attn_splits)](
+                K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
-                    self.part_out, self.part_max, self.part_sum, l0_self_attn_attention, st.num_prefills, st.bt_stride, attn_splits,
-                    0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_N=128, BLOCK_H=16, BLOCK_D=16, MAX_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=4, num_stages=3)
-                if attn_splits > 1:
-                    K.attn_decode_bf16_f524eb_reduce[(st.num_decodes, 4)](
-                        self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills,
-                        attn_splits, HQ=4, D=16, BLOCK_D=16, MAX_SPLITS=16, num_warps=4)
+                    self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    num_warps=2, num_stages=2)
+                K.attn_decode_bf16_9f9fe9_reduce[(st.num_decodes, 4)](
+                    self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills,
+                    HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
             K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 l0_self_attn_rope, l0_self_attn_rope_1, l0_self_attn_reshape_2, l0_self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
@@ -191,16 +189,14 @@ class Program(HostProgram):
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                attn_splits = max(1, min(16, -(-264 // (st.num_decodes * 2))))  # per batch size, not context: graph-safe (decode_splits)
-                K.attn_decode_bf16_f524eb[(st.num_decodes, 2, attn_splits)](
+                K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
-                    self.part_out, self.part_max, self.part_sum, self_attn_attention, st.num_prefills, st.bt_stride, attn_splits,
-                    0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_N=128, BLOCK_H=16, BLOCK_D=16, MAX_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=4, num_stages=3)
-                if attn_splits > 1:
-                    K.attn_decode_bf16_f524eb_reduce[(st.num_decodes, 4)](
-                        self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills,
-                        attn_splits, HQ=4, D=16, BLOCK_D=16, MAX_SPLITS=16, num_warps=4)
+                    self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    num_warps=2, num_stages=2)
+                K.attn_decode_bf16_9f9fe9_reduce[(st.num_decodes, 4)](
+                    self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills,
+                    HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
             K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 self_attn_rope, self_attn_rope_1, self_attn_reshape_2, self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
