@@ -69,7 +69,6 @@ class Curves:
     crossover_k: int = 0
     crossover_small: Mapping[str, tuple[tuple[int, float], ...]] = None  # the same paths at K = N = crossover_small_k
     crossover_small_k: int = 0
-    crossover_program_us: float = 0.0  # what the timed one-linear program adds beyond its GEMM kernel
     generated_launch_us: float | None = None  # host cost of one eager step of a generated (Triton) kernel
     generated_kernel_us: float | None = None  # what each further generated kernel adds to an eager step's host time
     generated_attention: Mapping[str, float] | None = None  # fixed_us, per_seq_us, gbps of the generated decode attention
@@ -127,7 +126,6 @@ class Curves:
             gemm_small_k=int(cal.get("gemm_small_k") or 0), node_us=launch.get("reference_op_us"),
             crossover={k: v for k, v in paths.items() if v}, crossover_k=int(cross.get("k") or 0),
             crossover_small={k: v for k, v in paths_small.items() if v}, crossover_small_k=int(cross.get("k_small") or 0),
-            crossover_program_us=max(0.0, float(cross.get("program_us") or 0.0) - float(launch.get("graph_us") or 0.0)),
             generated_launch_us=launch.get("triton_us"), attention_kernel=attn.get("kernel"),
             generated_kernel_us=launch.get("triton_kernel_us"),
             generated_attention={k: float(gen[k]) for k in ("fixed_us", "per_seq_us", "gbps")} if "gbps" in gen else None,
@@ -190,14 +188,11 @@ class Curves:
         floor = nbytes / (self.read_gbps() * 1e3)  # a GEMM reads its weight: no faster than the best read
         measured = (self.crossover or {}).get(path) if path != "vendor" else None
         if measured and self.crossover_k:
-            # the timed program's own extra (its output copy, a one-kernel replay) is not the kernel's
-            extra = self.crossover_program_us
-            at = max(0.0, _at(measured, m) - extra)
+            at = _at(measured, m)
             small = (self.crossover_small or {}).get(path)
             if small and self.crossover_small_k and m <= small[-1][0]:  # two sizes: fixed + proportional to K*N
-                fit = _fixed_plus_proportional(at, max(0.0, _at(small, m) - extra), self.crossover_k,
-                                               self.crossover_small_k, k * n)
-                return max(fit, floor, self.graph_launch_us or 0.0)
+                return max(_fixed_plus_proportional(at, _at(small, m), self.crossover_k, self.crossover_small_k, k * n),
+                           floor)
             return max(at * (k * n) / self.crossover_k**2, floor)
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:

@@ -227,33 +227,16 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
     assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))
 
 
-def test_the_timed_programs_own_cost_is_taken_off_the_generated_gemv_and_weights_are_read_at_the_best_read():
-    """gemm_crossover.program_us (a 16x16 one-linear program timed the same way) minus one in-graph launch is
-    what the timed program adds beyond its kernel: both sizes lose it, so the fit's fixed part does and the
-    proportional part does not. A GEMM's floor is its weight read at the sweep's read rate past the caches (its
-    largest working set), not the copy rate and not a cache's read rate."""
+def test_a_gemms_floor_is_its_weight_read_at_the_sweeps_read_rate_past_the_caches():
+    """A GEMM's floor is its weight read at the sweep's read rate at its largest working set (a sum: only
+    reads), not the copy rate (reads + writes) and not a cache's read rate at a small working set."""
     raw = synthetic("nvidia-h200", bandwidth=1000.0)
-    big, small = {1: 12.0}, {1: 6.0}
-    cross = {"k": 4096, "k_small": 512,
-             "points": [{"m": m, "triton_us": 50.0, "vendor_us": 20.0, "gemv_us": us} for m, us in big.items()],
-             "points_small": [{"m": m, "triton_us": 9.0, "gemv_us": us} for m, us in small.items()]}
-    raw["calibration"] = {"gemm_crossover": cross, "launch_us": {"eager_us": 5.0, "graph_us": 1.0},
-                          "bandwidth_sweep": [{"bytes": 1 << 20, "read_gbps": 20000.0, "copy_gbps": 9000.0},  # a cache
-                                              {"bytes": 1 << 30, "read_gbps": 8000.0, "copy_gbps": 1000.0}]}
-
-    def t(k, n, path="gemv"):
-        return Curves.from_descriptor(raw).gemm_us(1, k, n, flops=2 * k * n, nbytes=2 * k * n, dtype="bfloat16",
-                                                   path=path)
-
-    before = t(1024, 2048)
-    cross["program_us"] = 4.0  # 3 us beyond the 1 us in-graph launch
-    assert t(1024, 2048) == pytest.approx(before - 3.0)
-    assert t(4096, 4096) == pytest.approx(12.0 - 3.0)
-    cross["program_us"] = 1000.0  # never below one in-graph launch
-    assert t(1024, 2048) == pytest.approx(1.0)
-    del raw["calibration"]["gemm_crossover"]
     raw["throughput_tflops"] = {k: 1e9 for k in raw["throughput_tflops"]}  # memory-bound: the floor decides
-    assert t(8192, 8192, "vendor") == pytest.approx(2 * 8192 * 8192 / 8000e3)
+    raw["calibration"] = {"bandwidth_sweep": [{"bytes": 1 << 20, "read_gbps": 20000.0, "copy_gbps": 9000.0},  # a cache
+                                              {"bytes": 1 << 30, "read_gbps": 8000.0, "copy_gbps": 1000.0}]}
+    c = Curves.from_descriptor(raw)
+    assert c.gemm_us(1, 8192, 8192, flops=2 * 8192**2, nbytes=2 * 8192**2, dtype="bfloat16",
+                     path="vendor") == pytest.approx(2 * 8192 * 8192 / 8000e3)
 
 
 def _program_launches(result, batch: int, tmp) -> int:
