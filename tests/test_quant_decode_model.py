@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from triton_harness import rel_err
+from triton_harness import record_launches, rel_err
 
 import portlayer
 from portlayer import capabilities
-from portlayer.codegen import kernel_binaries as KB
 
 pytestmark = pytest.mark.interpreter
 PROMPT = [5, 17, 42, 90, 3]
@@ -70,18 +69,7 @@ def _decode(art: Path, monkeypatch) -> tuple[torch.Tensor, list[str]]:
 
     launches: list[str] = []
 
-    class Recorder:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(self.name)
-                return self.fn[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
+    record_launches(monkeypatch, launches)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     loaded = open_artifact(art, interpret=True)
     exe, graph = loaded.executable(), loaded.graph

@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_harness import build_program, rel_err, use_interpreter
+from triton_harness import build_program, record_launches, rel_err, use_interpreter
 
-from portlayer.codegen import kernel_binaries as KB
 from portlayer.flatten.ir import GraphBuilder, TensorType
 
 pytestmark = pytest.mark.interpreter
@@ -89,21 +88,6 @@ def _build(kind: str, bits: int, k: int, group: int, offsets: bool, mixed: bool 
     return b.graph, want
 
 
-def _recorded(monkeypatch, launches: list[str]) -> None:
-    class Recorder:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(self.name)
-                return self.fn[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
-
-
 CASES = [  # kind, bits, K, group, offsets: grouped and per channel (K = group), tiles inside a group and spanning groups
     ("single", 8, 96, 32, True), ("single", 4, 192, 192, False), ("single", 8, 80, 80, True),
     ("siblings", 8, 64, 16, False), ("siblings", 4, 128, 32, True), ("siblings", 4, 96, 96, True),
@@ -117,7 +101,7 @@ def test_quantized_fused_decode_group(tmp_path, monkeypatch, kind, bits, k, grou
 
     graph, want = _build(kind, bits, k, group, offsets)
     launches: list[str] = []
-    _recorded(monkeypatch, launches)
+    record_launches(monkeypatch, launches)
     monkeypatch.setattr(gemm_rule, "wq_vendor_min_tokens", lambda descriptor: 6)
     _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4)
     groups = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] not in ("view",)]

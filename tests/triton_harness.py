@@ -111,3 +111,22 @@ def paged_setup(num_seqs_ctx: list[tuple[int, int]], hkv: int, d: int, dtype: to
         slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=torch.tensor(tables, dtype=torch.int32),
         num_prefills=prefills, max_query_len=max(n for _, n in num_seqs_ctx), max_seq_len=max(seq_lens))
     return meta, k_cache, v_cache
+
+
+def record_launches(monkeypatch: Any, launches: list[str]) -> None:
+    """Every kernel a program loaded after this call launches is appended to ``launches`` by name
+    (codegen/kernel_binaries.bind wrapped), then run as it would have been."""
+    from portlayer.codegen import kernel_binaries as KB
+
+    class Recorder:
+        def __init__(self, name: str, fn: Any) -> None:
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                launches.append(self.name)
+                return self.fn[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
