@@ -182,11 +182,6 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
         # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
         small, _, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
-        # and a 16 x 16 weight: what the timed one-linear program costs beyond its GEMM (the output copy, the
-        # replay of a graph this short). Recorded, not used by the cost model: taken off the two sizes it made
-        # the H200's decode predictions worse (b1 -38% instead of +15%): the K = N = 4096 weight (33.5 MB) is
-        # read from the 50 MB L2 when timed alone, so the fit's slope is too small, not its fixed part too big
-        tiny, _, _ = _path_times(pipeline, dev, desc, dtype, 16, [("gemv", 0, GEMV_MAX_ROWS, [1])], sizes.iters, tmp)
         per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
@@ -199,11 +194,10 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
                   + f"; at K=N={small_k} triton/gemv us: "
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}" for p in points_small)
-                  + f"; a 16x16 program {tiny['gemv'][1]:.3g} us; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
+                  + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
                   f"each further kernel {per_kernel:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
-                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes),
-                               "program_us": sig(tiny["gemv"][1])},
+                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host),
             # a difference of two host timings: kept only when it is a plausible share of the one-kernel step
             "triton_kernel_us": sig(per_kernel) if 0.5 <= per_kernel <= host else None}
