@@ -280,3 +280,15 @@ def test_forged_chunk_fields_never_pass_a_modified_file(tmp_path, small_chunks):
                                        "chunks_sha256": _chunk_shas(bad, small_chunks)}) is True
     assert file_hash.bytes_match(bad, {"sha256": tree, "chunk_bytes": small_chunks,
                                        "chunks_sha256": _chunk_shas(orig, small_chunks)}) is False
+
+
+def test_range_hashes_are_hashlibs_over_the_bytes_there_at_edges(tmp_path, monkeypatch):
+    """Memory-mapped windows: a range across window edges, past the end of the file, and an empty file."""
+    monkeypatch.setattr(file_hash, "_BLOCK", 4096)
+    data = os.urandom(3 * 4096 + 123)
+    p = tmp_path / "w.bin"
+    p.write_bytes(data)
+    for start, size in [(0, len(data)), (4000, 5000), (4096, 4096), (len(data) - 5, 100), (len(data), 10), (7, 0)]:
+        assert file_hash._hash_range(p, start, size) == hashlib.sha256(data[start:start + size]).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_hash._hash_range(tmp_path / "empty", 0, 10) == hashlib.sha256(b"").hexdigest()
