@@ -4,9 +4,11 @@
 extra takes (device, sizes, progress, base descriptor name) and returns entries merged into the
 measured results. The pipeline comes in as an argument because backends/ sits before passes/.
 
-The GEMM crossover: one ``linear`` of K = N = ``sizes.gemm_k`` compiled as the compiler compiles a
+The GEMM crossover: a chain of K = N = ``sizes.gemm_k`` linears compiled as the compiler compiles a
 model's, run with the generated Triton GEMM and with the vendor GEMM at each M of ``sizes.gemm_ms``,
-each step captured in a CUDA graph so device time is compared, not Python launch cost. The largest
+each step captured in a CUDA graph so device time is compared, not Python launch cost. The chain's
+weights together exceed the last-level cache (``chain_length``): in a model every layer's weights
+stream from memory, and one 4096 x 4096 weight (33.5 MB) timed alone stays in a 50 MB L2. The largest
 M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, and the largest M up to which the
 few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules codegen follows.
 """
@@ -38,6 +40,31 @@ def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
     x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
     w = b.add_param("w", (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k**0.5).to(dtype))
     b.graph.outputs = [b.add1("linear", [x, w, None], name="proj")]
+    b.graph.meta = {"architecture": "calibration-gemm"}
+    return b.graph
+
+
+#: the chain's weights together are at least this many bytes (above the largest last-level caches, 256 MB)
+CHAIN_MIN_BYTES = 320 << 20
+CHAIN_MAX = 64
+
+
+def chain_length(k: int, dtype: torch.dtype) -> int:
+    """Linears in a timed chain of K = N = ``k``: enough that their weights pass every cache, 2..CHAIN_MAX."""
+    per = k * k * torch.empty((), dtype=dtype).element_size()
+    return max(2, min(CHAIN_MAX, -(-CHAIN_MIN_BYTES // per)))
+
+
+def chained_linears(k: int, r: int, dtype: torch.dtype) -> Any:
+    """x[num_tokens, K] -> linear(W_1) -> ... -> linear(W_r), all K x K: r GEMMs of distinct weights in one
+    step (no two share an input, so no fusion joins them); a linear's time is the step's / r."""
+    b = GraphBuilder()
+    h = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
+    g = torch.Generator().manual_seed(0)
+    for i in range(r):
+        w = b.add_param(f"w{i}", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
+        h = b.add1("linear", [h, w, None], name=f"proj{i}")
+    b.graph.outputs = [h]
     b.graph.meta = {"architecture": "calibration-gemm"}
     return b.graph
 
@@ -146,22 +173,26 @@ def measure_eager_kernel_host(pipeline: Callable[..., Any], dev: torch.device, d
 
 def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype, k: int,
                 paths: Any, iters: int, tmp: str) -> tuple[dict[str, dict[int, float]], set[str], float]:
-    """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path,
-    the timing modes used, and the host cost of an eager one-kernel step of the Triton path (0 if not run)."""
-    result = _planned(pipeline, one_linear(k, k, dtype), desc, dtype)
+    """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path
+    (a chain's step / its length: weights past the caches), the timing modes used, and the host cost of an
+    eager one-kernel step of the Triton path (0 if not run)."""
+    r = chain_length(k, dtype)
+    chain = _planned(pipeline, chained_linears(k, r, dtype), desc, dtype)
     times: dict[str, dict[int, float]] = {}
     modes, host = set(), 0.0
     for name, gemm_rule, gemv_rule, ms in paths:
-        prog = _load(result, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)
+        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)
         times[name] = {}
         with torch.inference_mode():
             for m in ms:
                 x = torch.randn(m, k, device=dev, dtype=dtype)
-                us, how = _device_us(prog, {"x": x}, dev, iters)
-                times[name][m] = us
-                modes.add(how)
+                us, how = _device_us(prog, {"x": x}, dev, max(3, iters // r))
+                times[name][m] = us / r
+                modes.add(f"{how}, chain of {r}")
             if name == "triton":
-                host = _host_us(prog, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200)
+                one = _load(_planned(pipeline, one_linear(k, k, dtype), desc, dtype), dev, Path(tmp) / f"one-{k}",
+                            gemm_rule, gemv_rule)
+                host = _host_us(one, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200)
     return times, modes, host
 
 
