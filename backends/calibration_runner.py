@@ -181,7 +181,9 @@ def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtyp
     times: dict[str, dict[int, float]] = {}
     modes, host = set(), 0.0
     for name, gemm_rule, gemv_rule, ms in paths:
-        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)
+        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)  # loaded outside inference mode
+        one = (_load(_planned(pipeline, one_linear(k, k, dtype), desc, dtype), dev, Path(tmp) / f"one-{k}", gemm_rule,
+                     gemv_rule) if name == "triton" else None)
         times[name] = {}
         with torch.inference_mode():
             for m in ms:
@@ -189,9 +191,7 @@ def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtyp
                 us, how = _device_us(prog, {"x": x}, dev, max(3, iters // r))
                 times[name][m] = us / r
                 modes.add(f"{how}, chain of {r}")
-            if name == "triton":
-                one = _load(_planned(pipeline, one_linear(k, k, dtype), desc, dtype), dev, Path(tmp) / f"one-{k}",
-                            gemm_rule, gemv_rule)
+            if one is not None:
                 host = _host_us(one, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200)
     return times, modes, host
 

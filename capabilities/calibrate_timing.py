@@ -52,7 +52,7 @@ class Sizes:
 
 
 CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=3, launches=20000, max_seconds_per_dtype=0.25,
-                  reps=7, budget_s=0.07, rounds=3, gemm_ms=(1, 4, 16, 64, 256),
+                  reps=7, budget_s=0.07, rounds=6, gemm_ms=(1, 4, 16, 64, 256),
                   attn_points=((1, 128), (8, 128), (32, 128), (1, 1024), (8, 1024), (32, 1024)))  # fmt: skip
 CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launches=50000, max_seconds_per_dtype=1.5,
                  reps=11, budget_s=0.3, rounds=3, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
