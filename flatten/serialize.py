@@ -198,22 +198,80 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_graph(graph: Graph, directory: str | os.PathLike) -> Path:
-    """Write graph.json and weights.safetensors into ``directory`` (created if missing)."""
+def save_graph(graph: Graph, directory: str | os.PathLike, weights: bool = True) -> Path:
+    """Write graph.json and weights.safetensors into ``directory`` (created if missing).
+
+    ``weights=False``: graph.json only (the weights file is written by ``WeightsWrite``, beside other work)."""
     stray = sorted(set(graph.weights) - set(graph.params))
     if stray:
         raise ValueError(f"graph.weights has tensors that are not params: {stray}; add them to graph.params or drop them")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    from portlayer.flatten.weights_stream import stream_entries, write_tensors
+    from portlayer.flatten.weights_stream import stream_entries
 
     entries, aliases = stream_entries(graph.weights)  # tensor by tensor: never a second copy of the model
     doc = graph_to_json(graph)
     doc["weights"] = {"file": WEIGHTS_FILE, "names": list(graph.weights), "aliases": aliases}
     text = json.dumps(doc, indent=1)
     _atomic_write(out / GRAPH_FILE, lambda p: Path(p).write_text(text + "\n"))
-    _atomic_write(out / WEIGHTS_FILE, lambda p: write_tensors(p, entries, metadata={"format": "pt", "portlayer": FORMAT}))
+    if weights:
+        _write_weights(entries, out)
     return out
+
+
+def _write_weights(entries: Any, out: Path, on_tensor: Callable[[str], None] | None = None) -> None:
+    from portlayer.flatten.weights_stream import write_tensors
+
+    _atomic_write(out / WEIGHTS_FILE, lambda p: write_tensors(p, entries, metadata={"format": "pt", "portlayer": FORMAT},
+                                                              on_tensor=on_tensor))
+
+
+class WeightsWrite:
+    """weights.safetensors of ``graph`` written into ``directory`` by a helper thread, so a compile's codegen
+    runs while its weights (the bulk of the artifact) go to the disk. ``join`` waits and re-raises what the
+    write raised; ``cancel`` stops it at the next tensor (a failed compile does not wait for the rest)."""
+
+    def __init__(self, graph: Graph, directory: str | os.PathLike) -> None:
+        import threading
+
+        from portlayer.flatten.weights_stream import stream_entries
+
+        entries, _ = stream_entries(graph.weights)
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+
+        def stop_check(_name: str) -> None:
+            if self._stop.is_set():
+                raise _Cancelled
+
+        def run() -> None:
+            import time
+
+            t0 = time.perf_counter()
+            try:
+                _write_weights(entries, out, stop_check)
+            except BaseException as e:  # noqa: BLE001 - handed to join()
+                self._error = e
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="portlayer-weights-write", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _Cancelled(Exception):
+    """Raised inside the writer thread to stop a cancelled write."""
 
 
 def load_graph(directory: str | os.PathLike, *, read: Callable[[str], bytes] | None = None,

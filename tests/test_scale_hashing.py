@@ -292,3 +292,27 @@ def test_range_hashes_are_hashlibs_over_the_bytes_there_at_edges(tmp_path, monke
         assert file_hash._hash_range(p, start, size) == hashlib.sha256(data[start:start + size]).hexdigest()
     (tmp_path / "empty").write_bytes(b"")
     assert file_hash._hash_range(tmp_path / "empty", 0, 10) == hashlib.sha256(b"").hexdigest()
+
+
+def test_weights_written_beside_codegen_stop_when_codegen_fails(tiny_dirs, tmp_path, monkeypatch):
+    """The weights file is written while codegen runs; a codegen that fails cancels that write (the writer
+    thread is gone when the error arrives) and leaves no artifact or staging directory behind."""
+    import threading
+
+    import portlayer
+    from portlayer import build
+    from portlayer.errors import PortlayerError
+
+    class Boom(PortlayerError):
+        pass
+
+    def failing_codegen(result, out_dir):
+        raise Boom("the backend cannot generate this model")
+
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(build, "codegen", failing_codegen)
+    out = tmp_path / "art"
+    with pytest.raises(Boom):
+        portlayer.compile(str(tiny_dirs["tiny-llama"]), target="cpu-x86_64", output=str(out), progress=False)
+    assert not any(t.name == "portlayer-weights-write" and t.is_alive() for t in threading.enumerate())
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".art")]
