@@ -16,6 +16,7 @@ from portlayer.codegen.expr import IndexContext, Unsupported, lower_chain
 from portlayer.codegen.kernels import gemm
 from portlayer.codegen.kernels.context import GenContext, host_numel
 from portlayer.codegen.kernels.gemv_fused import joint_gemv, norm_prologue, sibling_gemv
+from portlayer.codegen.kernels.gemv_tiles import few_rows_tiers, tier_why
 from portlayer.codegen.kernels.reduction import build_reduction, split_row_norm
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import FLOAT_DTYPES
@@ -135,7 +136,7 @@ def _sub(group: KernelGroup, tag: str, nodes: list[Node], outputs: list[str]) ->
 
 def _few_rows_ok(ctx: GenContext, linears: list[Node]) -> bool:
     cap = ctx.gemv_max_weight_bytes
-    return bool(gemm.few_rows_tiers(ctx)) and all(n.op in ("linear", "linear_wq")
+    return bool(few_rows_tiers(ctx)) and all(n.op in ("linear", "linear_wq")
                                            and (cap <= 0 or ctx.types[n.inputs[1]].nbytes({}) <= cap) for n in linears)
 
 
@@ -178,7 +179,7 @@ def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
         code.lines = rest
         return code
     branches = []
-    for limit, dot in gemm.few_rows_tiers(ctx):
+    for limit, dot in few_rows_tiers(ctx):
         if joint:
             spec, few, _ = joint_gemv(ctx, parts.linears, parts.epilogue, pro, dot=dot)
         elif len(parts.linears) > 1:
@@ -188,7 +189,7 @@ def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
             spec, args, const, cfg = gemm.build_gemm_kernel(ctx, core, few_rows=True, prologue=pro, dot=dot)
             few = gemm._gemv_lines(ctx, core, spec, args, const, cfg, tail=f", {pro.eps!r}")
         code.kernels.append(spec)
-        branches.append((limit, few, gemm.tier_why(dot, ("norm in the prologue, " if pro else "") + "one launch, ")))
+        branches.append((limit, few, tier_why(dot, ("norm in the prologue, " if pro else "") + "one launch, ")))
     m = host_numel(ctx.types[parts.linears[0].inputs[0]].shape[:-1])
     code.lines = gemm._by_rows(m, branches, rest)
     return code

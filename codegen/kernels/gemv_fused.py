@@ -16,8 +16,14 @@ from typing import Any
 
 from portlayer.codegen.expr import load_line, lower_chain
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
-from portlayer.codegen.kernels.gemm import few_rows_choices
 from portlayer.codegen.kernels.gemm_quant import bias_of
+from portlayer.codegen.kernels.gemv_tiles import (
+    dot_dtype,
+    few_rows_choices,
+    gemv_blocks_call,
+    gemv_tiles,
+    quant_tiles,
+)
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
@@ -83,14 +89,10 @@ class Weights:
         return f"w{self.quant['bits']}{'a' if self.quant['offsets'] else ''}_" if self.quant else ""
 
     def blocks_call(self, m: str) -> str:
-        from portlayer.codegen.kernels.gemm import gemv_blocks_call
-
         return gemv_blocks_call(m, self.bk, self.least, self.dot)
 
     def template(self, ctx: GenContext, x_dtype: str) -> dict[str, Any]:
         """The template's tier flags: ``dot`` (the tl dtype of the tensor-core product, or None) and its args."""
-        from portlayer.codegen.kernels.gemm import dot_dtype
-
         if not self.dot:
             return {"dot": None, "dot_args": ""}
         dt = dot_dtype(x_dtype, None if self.quant else ctx.types[self.args[0]].dtype)
@@ -101,18 +103,16 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
     """``n``: the columns the programs split (their sum for siblings, one weight's for a joint launch);
     ``parts``: weights each program reads side by side (its W tile budget is shared among them);
     ``dot``: the tensor-core tier's tiles."""
-    from portlayer.codegen.kernels.gemm import _gemv_blocks, quant_tiles
-
     cfg = ctx.cfg("gemv")
     if linears[0].op != "linear_wq":
-        bn, bk = _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=dot)
+        bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=dot)
         return Weights([Param(f"w{i}_ptr", ptr(ctx.types[x.inputs[1]].dtype)) for i, x in enumerate(linears)],
                        [x.inputs[1] for x in linears], bn, bk, None, dot=dot)
     lin = linears[0]
     bits, group = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
     offsets = len(lin.inputs) > 4 and lin.inputs[4] is not None
     if dot:  # each element of the tile is dequantized with its own group's scale: any K tile
-        bn, bk = _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=True)
+        bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=True)
         in_group, least = False, 32
     else:
         bn, bk, in_group, least = quant_tiles(cfg, n, k, group, parts)
