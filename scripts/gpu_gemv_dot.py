@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help="comma-separated row counts (default 1,2,4,8,16,32,64,128)")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--tier-stages", default="", help="also time the tier with these launch.gemv num_stages (e.g. 3)")
     ap.add_argument("--json", default=None, help="default $OUT/gemv_dot_h200.json (or ./gemv_dot_h200.json)")
     args = ap.parse_args(argv)
     from portlayer.backends.generate import generate
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in (args.rows or ("1,16" if args.smoke else "1,2,4,8,16,32,64,128")).split(",")]
     shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
     reps = 1 if args.smoke else args.reps
-    variants = {"vendor": (0, 0), "cuda_cores": (max(rows), 0), "tensor_cores": (0, max(rows))}
+    variants = {"vendor": (0, 0, None), "cuda_cores": (max(rows), 0, None), "tensor_cores": (0, max(rows), None)}
+    for st_ in [int(x) for x in args.tier_stages.split(",") if x]:
+        variants[f"tensor_cores_s{st_}"] = (0, max(rows), st_)
     from portlayer.capabilities.descriptor import load_descriptor
 
     cap = float(load_descriptor("nvidia-h200").tuning.get("gemv_max_weight_mib", 0)) * 2**20
@@ -164,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_pipeline(graph, target, overrides={"compute_dtype": str(dtype).replace("torch.", ""),
                                                              "weight_quantization": "none"})
                 progs = {}
-                for v, (gemv, dot) in variants.items():
-                    gen = generate(res.graph, res.plan, res.descriptor, gemv_max_tokens=gemv, gemv_dot_max_tokens=dot)
+                for v, (gemv, dot, stages) in variants.items():
+                    launch = {"gemv": {**res.plan.launch_configs["gemv"], "num_stages": stages}} if stages else None
+                    gen = generate(res.graph, res.plan, res.descriptor, gemv_max_tokens=gemv, gemv_dot_max_tokens=dot,
+                                   launch=launch)
                     write_program(gen, tmp / f"{sname}-{group}-{v}")
                     progs[v] = load_program(tmp / f"{sname}-{group}-{v}", res.graph.weights, device,
                                             max_seqs=max(rows), use_graphs=False)
@@ -218,7 +223,8 @@ def _table(out: dict) -> None:
     print(f"{'shape':<11} {'group':<8} {'MB':>6} {'rows':>5} {'a vendor':>9} {'b cuda':>9} {'c dot':>9} "
           f"{'c/a':>6} {'floor':>6} {'err c':>8}")
     for r in out["results"]:
-        mark = "" if r["under_shipped_cap"] else "  (above the shipped weight cap: vendor at every row count)"
+        mark = "".join(f"  {k[:-3]} {v}" for k, v in r.items() if k.startswith("tensor_cores_s") and k.endswith("_us"))
+        mark += "" if r["under_shipped_cap"] else "  (above the shipped weight cap: vendor at every row count)"
         print(f"{r['shape']:<11} {r['group']:<8} {r['weight_mb']:>6} {r['rows']:>5} {r['vendor_us']:>9} "
               f"{r['cuda_cores_us']:>9} {r['tensor_cores_us']:>9} {r['tensor_cores_us'] / r['vendor_us']:>6.2f} "
               f"{r['read_floor_us']:>6} {r['tensor_cores_rel_err']:>8.1e}{mark}")
