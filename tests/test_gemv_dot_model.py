@@ -1,4 +1,4 @@
-"""Tiny HF Qwen3 / Llama models compiled for a descriptor with the few-rows tensor-core tier, under TRITON_INTERPRET=1.
+"""A tiny HF Qwen3 (q/k norms, GQA) compiled for a descriptor with the few-rows tensor-core tier, under TRITON_INTERPRET=1.
 
 The descriptor is nvidia-h200's with 4 SMs and tuning.gemv_dot_max_tokens = 16 (the shipped value), so the three
 decode batches take the three GEMM paths: 1 row the CUDA-core few-rows kernels, 4 rows their tensor-core tier, 20
@@ -25,9 +25,7 @@ VOCAB = 96
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(hidden_size=48, intermediate_size=72, num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              dict(hidden_size=40, intermediate_size=88, num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-}
+}  # Llama's decode at batch 3 takes the tier too: tests/test_decode_fusion.py (greedy tokens against HF generate)
 
 
 def _model(arch: str):
