@@ -4,9 +4,11 @@
 extra takes (device, sizes, progress, base descriptor name) and returns entries merged into the
 measured results. The pipeline comes in as an argument because backends/ sits before passes/.
 
-The GEMM crossover: one ``linear`` of K = N = ``sizes.gemm_k`` compiled as the compiler compiles a
+The GEMM crossover: a chain of K = N = ``sizes.gemm_k`` linears compiled as the compiler compiles a
 model's, run with the generated Triton GEMM and with the vendor GEMM at each M of ``sizes.gemm_ms``,
-each step captured in a CUDA graph so device time is compared, not Python launch cost. The largest
+each step captured in a CUDA graph so device time is compared, not Python launch cost. The chain's
+weights together exceed the last-level cache (``chain_length``): in a model every layer's weights
+stream from memory, and one 4096 x 4096 weight (33.5 MB) timed alone stays in a 50 MB L2. The largest
 M up to which Triton wins becomes ``tuning.triton_gemm_max_tokens``, and the largest M up to which the
 few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules codegen follows.
 """
@@ -32,25 +34,27 @@ ALWAYS_TRITON = 1 << 30
 GEMV_MAX_ROWS = 64  # the few-rows kernel is timed up to this M (it is a decode kernel)
 
 
-def one_linear(k: int, n: int, dtype: torch.dtype) -> Any:
-    """x[num_tokens, K] -> linear(W[N, K]): the graph whose program the crossover times."""
-    b = GraphBuilder()
-    x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
-    w = b.add_param("w", (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k**0.5).to(dtype))
-    b.graph.outputs = [b.add1("linear", [x, w, None], name="proj")]
-    b.graph.meta = {"architecture": "calibration-gemm"}
-    return b.graph
+#: the chain's weights together are at least this many bytes (above the largest last-level caches, 256 MB)
+CHAIN_MIN_BYTES = 320 << 20
+CHAIN_MAX = 256  # K = 1024 (2 MiB in bf16) needs 160 to pass 320 MB
 
 
-def two_linears(k: int, dtype: torch.dtype) -> Any:
-    """x -> linear -> linear: with one_linear, what one more generated kernel costs an eager step's host."""
+def chain_length(k: int, dtype: torch.dtype) -> int:
+    """Linears in a timed chain of K = N = ``k``: enough that their weights pass every cache, 2..CHAIN_MAX."""
+    per = k * k * torch.empty((), dtype=dtype).element_size()
+    return max(2, min(CHAIN_MAX, -(-CHAIN_MIN_BYTES // per)))
+
+
+def chained_linears(k: int, r: int, dtype: torch.dtype) -> Any:
+    """x[num_tokens, K] -> linear(W_1) -> ... -> linear(W_r), all K x K: r GEMMs of distinct weights in one
+    step (no two share an input, so no fusion joins them); a linear's time is the step's / r."""
     b = GraphBuilder()
-    x = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
+    h = b.add_input("x", TensorType(str(dtype).removeprefix("torch."), ("num_tokens", k)))
     g = torch.Generator().manual_seed(0)
-    w1 = b.add_param("w1", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
-    w2 = b.add_param("w2", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
-    h = b.add1("linear", [x, w1, None], name="proj1")
-    b.graph.outputs = [b.add1("linear", [h, w2, None], name="proj2")]
+    for i in range(r):
+        w = b.add_param(f"w{i}", (torch.randn(k, k, generator=g) / k**0.5).to(dtype))
+        h = b.add1("linear", [h, w, None], name=f"proj{i}")
+    b.graph.outputs = [h]
     b.graph.meta = {"architecture": "calibration-gemm"}
     return b.graph
 
@@ -132,37 +136,57 @@ def _program(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.d
     return _load(_planned(pipeline, graph, desc, dtype), dev, out, gemm_rule, gemv_rule)
 
 
+#: chain lengths whose eager steps give the per-kernel host cost as a slope
+HOST_CHAIN = (1, 2, 4, 8)
+
+
 def measure_eager_kernel_host(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype,
-                              k: int, tmp: str) -> float:
-    """Host microseconds one more generated kernel adds to an eager step: a two-linear program's step minus
-    a one-linear program's (both the Triton GEMM at one row); the rest of the one-kernel step is per step."""
-    times = []
-    with torch.inference_mode():
-        for name, graph in (("one", one_linear(k, k, dtype)), ("two", two_linears(k, dtype))):
-            prog = _program(pipeline, graph, desc, dtype, dev, Path(tmp) / f"host-{name}", ALWAYS_TRITON, 0)
-            times.append(_host_us(prog, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200))
-    return max(0.0, times[1] - times[0])
+                              k: int, tmp: str) -> tuple[float, float]:
+    """(host microseconds of an eager one-kernel step, what each further generated kernel adds): the
+    least-squares line through eager steps of chains of 1, 2, 4 and 8 linears (the Triton GEMM at one row).
+    A slope over four lengths, not the difference of two timings, which moved 22 -> 46 us between runs."""
+    xs, ys = [], []
+    with tempfile.TemporaryDirectory(prefix="portlayer-host-", dir=tmp) as sub:
+        progs = [(r, _program(pipeline, chained_linears(k, r, dtype), desc, dtype, dev, Path(sub) / f"chain-{r}",
+                              ALWAYS_TRITON, 0)) for r in HOST_CHAIN]  # loaded outside inference mode
+        with torch.inference_mode():
+            x = torch.randn(1, k, device=dev, dtype=dtype)
+            for _ in range(2):  # interleaved rounds, each length's best kept: a slow spell hits all lengths alike
+                for r, prog in progs:
+                    xs.append(float(r))
+                    ys.append(_host_us(prog, {"x": x}, dev, 200))
+    return host_line(list(zip(xs, ys)))
+
+
+def host_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(one-kernel step us, per-kernel us) of the least-squares line through each chain length's best
+    (kernels, host us) timing; the slope at least 0, the one-kernel step at least the slope."""
+    best = {r: min(y for x_, y in points if x_ == r) for r, _ in points}
+    rs = sorted(best)
+    mean_r, mean_y = sum(rs) / len(rs), sum(best[r] for r in rs) / len(rs)
+    spread = sum((r - mean_r) ** 2 for r in rs)
+    slope = max(0.0, sum((r - mean_r) * (best[r] - mean_y) for r in rs) / spread) if spread else 0.0
+    return max(slope, mean_y - slope * (mean_r - 1)), slope
 
 
 def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype, k: int,
-                paths: Any, iters: int, tmp: str) -> tuple[dict[str, dict[int, float]], set[str], float]:
-    """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path,
-    the timing modes used, and the host cost of an eager one-kernel step of the Triton path (0 if not run)."""
-    result = _planned(pipeline, one_linear(k, k, dtype), desc, dtype)
+                paths: Any, iters: int, tmp: str) -> tuple[dict[str, dict[int, float]], set[str]]:
+    """{path: {M: device us}} of one K = N = ``k`` linear under each (name, gemm rule, gemv rule, Ms) path
+    (a chain's step / its length: weights past the caches), and the timing modes used."""
+    r = chain_length(k, dtype)
+    chain = _planned(pipeline, chained_linears(k, r, dtype), desc, dtype)
     times: dict[str, dict[int, float]] = {}
-    modes, host = set(), 0.0
+    modes = set()
     for name, gemm_rule, gemv_rule, ms in paths:
-        prog = _load(result, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)
+        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)  # loaded outside inference mode
         times[name] = {}
         with torch.inference_mode():
             for m in ms:
                 x = torch.randn(m, k, device=dev, dtype=dtype)
-                us, how = _device_us(prog, {"x": x}, dev, iters)
-                times[name][m] = us
-                modes.add(how)
-            if name == "triton":
-                host = _host_us(prog, {"x": torch.randn(1, k, device=dev, dtype=dtype)}, dev, 200)
-    return times, modes, host
+                us, how = _device_us(prog, {"x": x}, dev, max(3, iters // r))
+                times[name][m] = us / r
+                modes.add(f"{how}, chain of {r}")
+    return times, modes
 
 
 def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, progress: Progress,
@@ -176,13 +200,13 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
     gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
     paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
              ("gemv", 0, GEMV_MAX_ROWS, gemv_ms))  # fmt: skip
-    small_k = max(64, sizes.gemm_k // 8)
+    small_k = max(64, sizes.gemm_k // 4)  # 1024 at K = 4096: a small decoder's projections
     with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
-        times, modes, host = _path_times(pipeline, dev, desc, dtype, sizes.gemm_k, paths, sizes.iters, tmp)
+        times, modes = _path_times(pipeline, dev, desc, dtype, sizes.gemm_k, paths, sizes.iters, tmp)
         # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
         # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
-        small, _, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
-        per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
+        small, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
+        host, per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
     points_small = [{"m": m, "triton_us": sig(small["triton"][m]),
@@ -199,7 +223,7 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
                                "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host),
-            # a difference of two host timings: kept only when it is a plausible share of the one-kernel step
+            # a slope over chain lengths: kept only when it is a plausible share of the one-kernel step
             "triton_kernel_us": sig(per_kernel) if 0.5 <= per_kernel <= host else None}
 
 

@@ -52,17 +52,18 @@ class Sizes:
 
 
 CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=3, launches=20000, max_seconds_per_dtype=0.25,
-                  reps=7, budget_s=0.07, rounds=3, gemm_ms=(1, 4, 16, 64, 256),
+                  reps=7, budget_s=0.07, rounds=6, gemm_ms=(1, 4, 16, 64, 256),
                   attn_points=((1, 128), (8, 128), (32, 128), (1, 1024), (8, 1024), (32, 1024)))  # fmt: skip
 CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launches=50000, max_seconds_per_dtype=1.5,
                  reps=11, budget_s=0.3, rounds=3, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                  attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
 GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
-                  reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048), attn_points=((1, 1024), (16, 1024), (64, 1024)),
+                  reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048),
+                  attn_points=((1, 128), (1, 1024), (16, 1024), (64, 128), (64, 1024)),
                   attn_heads=(16, 8, 128), cold_bytes=512 * 2**20)  # fmt: skip
 GPU_FULL = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=6.0,
                  reps=7, budget_s=0.15, gemm_k=4096, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-                 attn_points=((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128),
+                 attn_points=((1, 128), (1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 4096)), attn_heads=(16, 8, 128),
                  cold_bytes=512 * 2**20)  # fmt: skip
 CPU_SIZES, GPU_SIZES = CPU_QUICK, GPU_FULL  # names kept for callers of the first calibrate
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from portlayer.errors import PortlayerError
+from portlayer.model_source import CompileError, ModelSource, PendingSource, model_source  # noqa: F401 - CompileError, ModelSource: public here
 
 if TYPE_CHECKING:
     import torch
@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
 QUANTIZE = ("none", "int8", "int4", "native")
-
-
-class CompileError(PortlayerError):
-    """A compile option or model the user passed cannot be used as given."""
 
 
 @dataclass
@@ -55,98 +51,6 @@ class Artifact:
         m = self.manifest
         how = "cache hit" if self.cache_hit else "compiled"
         return f"{how}: {m.model.get('spec')} for {m.target.get('name')} -> {self.path} ({self.seconds:.1f} s)"
-
-
-@dataclass
-class ModelSource:
-    spec: str
-    path: Path | None
-    sha256: str
-    obj: Any = None  # an nn.Module or a Graph passed in memory
-
-
-def _model_source(model: Any) -> ModelSource:
-    import torch
-
-    from portlayer.flatten.ir import Graph
-    from portlayer.runtime.cache import model_dir_hash, tensors_hash
-
-    if isinstance(model, Graph):
-        from portlayer.flatten.serialize import graph_to_json
-
-        return ModelSource("<in-memory graph>", None, tensors_hash(model.weights, graph_to_json(model)), model)
-    if isinstance(model, torch.nn.Module):
-        cfg = getattr(model, "config", None)
-        extra = [type(model).__name__, cfg.to_json_string() if cfg is not None else None]
-        return ModelSource(f"<in-memory {type(model).__name__}>", None, tensors_hash(model.state_dict(), extra), model)
-    if isinstance(model, (str, os.PathLike)):
-        from portlayer.builtin_models import resolve_model
-
-        if str(model).lower().endswith(".onnx"):  # an ONNX file: capture() imports it (flatten/onnx_import.py)
-            from portlayer.flatten.onnx_load import OnnxImportError, onnx_file_hash
-
-            onnx_path = Path(model).expanduser()
-            if not onnx_path.is_file():
-                raise OnnxImportError(f"{onnx_path}: no such ONNX file")
-            return ModelSource(str(model), onnx_path, onnx_file_hash(onnx_path))
-        path = resolve_model(str(model))
-        if (path / "graph.json").is_file() and not (path / "config.json").is_file():
-            from portlayer.flatten.serialize import GraphFileError, load_graph
-            from portlayer.flatten.verify import VerificationError, verify_graph
-
-            try:  # a Flat IR graph saved with save_graph (e.g. by `portlayer inspect` or an ONNX import)
-                graph = load_graph(path)
-                verify_graph(graph)
-            except GraphFileError as e:
-                raise CompileError(f"{e}") from None
-            except VerificationError as e:
-                raise CompileError(f"{path / 'graph.json'}: {e}") from None
-            return ModelSource(str(model), path, model_dir_hash(path), graph)
-        if not path.is_dir():
-            raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
-        return ModelSource(str(model), path, _hash_while_importing(path))
-    raise CompileError(f"compile() takes a model name, an HF directory, an nn.Module or a Graph, not {type(model).__name__}")
-
-
-#: unmemoised model bytes from which hashing them is worth overlapping with the capture's imports
-PREWARM_MIN_BYTES = 256 << 20
-
-
-def _hash_while_importing(path: Path) -> str:
-    """model_dir_hash(path); when it has big files to read (a first compile: nothing memoised, so no
-    cached artifact can match either), the capture's imports (transformers, the model's modeling
-    module: seconds) run in a helper thread meanwhile, and are joined before anything else runs."""
-    import threading
-
-    from portlayer.runtime.cache import model_dir_hash, needs_hashing
-
-    if needs_hashing(path) < PREWARM_MIN_BYTES:
-        return model_dir_hash(path)
-    t = threading.Thread(target=_prewarm_imports, args=(path,), name="portlayer-prewarm", daemon=True)
-    t.start()
-    try:
-        return model_dir_hash(path)
-    finally:
-        t.join()
-
-
-def _prewarm_imports(path: Path) -> None:
-    import importlib
-    import json
-
-    names = ["portlayer.flatten.capture", "transformers", "portlayer.flatten.from_export", "portlayer.flatten.patterns",
-             "portlayer.passes.pipeline"]
-    try:
-        mt = json.loads((path / "config.json").read_text()).get("model_type")
-        if isinstance(mt, str) and mt.isidentifier():
-            names.append(f"transformers.models.{mt}.modeling_{mt}")
-    except (OSError, ValueError, AttributeError):
-        pass
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an optimisation only: the capture imports (and reports) it again
-            pass
 
 
 def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool = False) -> dict[str, Any]:
@@ -211,8 +115,12 @@ def compile(  # noqa: A001 - the public name users expect
         options["tensor_parallel"] = _tp_option(tensor_parallel)
     desc = resolve_target(target)
     t_src = time.perf_counter()
-    src = _model_source(model)  # the model's digest (its weights' bytes hashed unless memoised) for the cache key
+    src = model_source(model)  # the model's digest (its weights' bytes hashed unless memoised) for the cache key
     stages.timings["source"] = round(time.perf_counter() - t_src, 3)
+    if isinstance(src, PendingSource):  # big files not memoised: the digest runs beside the capture
+        from portlayer.build import capture_while_hashing
+
+        src = capture_while_hashing(src, options.get("verify", True), stages)
     from portlayer.capabilities.tuning import tuning_digest  # tuned launch configs change the artifact
 
     key = cache.cache_key(src.sha256, desc.sha256 + tuning_digest(desc), options)

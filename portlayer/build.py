@@ -91,6 +91,14 @@ CAPTURE_MANIFEST = "captured.json"
 CAPTURE_CACHE_MAX_ENV = "PORTLAYER_CAPTURE_CACHE_MAX_BYTES"
 
 
+def _capture_entry(model_sha: str, verify: bool) -> tuple[str, Path]:
+    """The capture cache's key and entry for a model digest and this toolkit (content-addressed)."""
+    from portlayer.runtime.cache import _sha, cache_root, toolkit_fingerprint
+
+    key = _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))
+    return key, cache_root() / "captured" / key[:24]
+
+
 def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verify: bool = True) -> Graph:
     """Capture an HF directory, reusing an earlier capture of identical files and toolkit.
 
@@ -100,10 +108,8 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verif
     file) is reported as a warning and the model is captured again.
     """
     from portlayer.flatten import capture
-    from portlayer.runtime.cache import _sha, cache_root, toolkit_fingerprint
 
-    key = _sha([model_sha, toolkit_fingerprint()] + ([] if verify else ["no-verify"]))
-    entry = cache_root() / "captured" / key[:24]
+    key, entry = _capture_entry(model_sha, verify)
     if entry.exists():
         try:
             graph = _load_capture(entry, key)
@@ -116,12 +122,36 @@ def capture_cached(path: Path, model_sha: str, say: Callable[[str], None], verif
                           UserWarning, stacklevel=2)
             _discard(entry)
     graph = capture(path, progress=say, verify=verify)
+    remember_capture(graph, model_sha, verify, say)
+    return graph
+
+
+def remember_capture(graph: Graph, model_sha: str, verify: bool, say: Callable[[str], None]) -> None:
+    """Keep a capture in the capture cache, unless its weights are big (see CAPTURE_CACHE_MAX_ENV)."""
+    key, entry = _capture_entry(model_sha, verify)
     nbytes = sum(t.nbytes() for t in graph.params.values())
     if nbytes <= int(os.environ.get(CAPTURE_CACHE_MAX_ENV, 2 << 30)):
-        _store_capture(graph, entry, key)
+        if not entry.exists():
+            _store_capture(graph, entry, key)
     else:  # a second copy of a big model on disk costs more (write + hash) than capturing it again
         say(f"capture not cached: {nbytes / (1 << 30):.1f} GiB of weights > ${CAPTURE_CACHE_MAX_ENV}")
-    return graph
+
+
+def capture_while_hashing(pending: Any, verify: bool, stages: Stages) -> Any:
+    """Capture a PendingSource's directory while its digest is computed (portlayer/model_source.py);
+    returns the resolved ModelSource holding the graph. ``timings["source_wait"]``: what the digest
+    took beyond the capture."""
+    from portlayer.flatten import capture
+
+    with stages.stage("capture") as say:
+        say("the model digest is computed beside it")
+        graph = capture(pending.path, progress=say, verify=verify)
+        t0 = time.perf_counter()
+        src = pending.resolve(graph)
+        stages.timings["source_wait"] = round(time.perf_counter() - t0, 3)
+        src.captured_beside_digest = True
+        remember_capture(graph, src.sha256, verify, say)
+    return src
 
 
 def _load_capture(entry: Path, key: str) -> Graph:
@@ -288,17 +318,15 @@ def copy_tokenizer(model_dir: Path | None, dest: Path) -> list[Path]:
 
 
 # ---- the whole build ----------------------------------------------------------------------
-def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str, final: Path, stages: Stages) -> Path:
-    """Run every stage for ``src`` (an api.ModelSource) and write the artifact to ``final`` atomically."""
+def _captured(src: Any, options: dict[str, Any], stages: Stages) -> Graph:
+    """The capture stage (unless it ran beside the digest), then the logit-row selection of causal LMs."""
     import torch
-    from safetensors.torch import save_file
 
     from portlayer.flatten import capture
-    from portlayer.flatten.ir import Graph
-    from portlayer.flatten.serialize import save_graph
-    from portlayer.runtime import artifact as A
-    from portlayer.runtime import validation as V
+    from portlayer.flatten.logits import select_logit_rows
 
+    if src.captured_beside_digest:  # its capture stage ran already (capture_while_hashing)
+        return select_logit_rows(src.obj)
     with stages.stage("capture") as say:
         if isinstance(src.obj, Graph):
             graph = src.obj
@@ -306,9 +334,18 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
             graph = capture(src.obj, progress=say, verify=options.get("verify", True))
         else:
             graph = capture_cached(src.path, src.sha256, say, verify=options.get("verify", True))
-        from portlayer.flatten.logits import select_logit_rows
+        return select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows
 
-        graph = select_logit_rows(graph)  # causal LMs: lm_head only on the sampled rows
+
+def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str, final: Path, stages: Stages) -> Path:
+    """Run every stage for ``src`` (an api.ModelSource) and write the artifact to ``final`` atomically."""
+    from safetensors.torch import save_file
+
+    from portlayer.flatten.serialize import save_graph
+    from portlayer.runtime import artifact as A
+    from portlayer.runtime import validation as V
+
+    graph = _captured(src, options, stages)
     overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"]),
                                    ("tensor_parallel", options.get("tensor_parallel"))) if v}
     with stages.stage("passes") as say:

@@ -11,6 +11,7 @@ order), never a serial whole-file pass; check one by hand with ``split -b 64M`` 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any
 #: files at least this big get per-chunk hashes
 CHUNKED_MIN_BYTES = 256 << 20
 CHUNK_BYTES = 64 << 20
-_BLOCK = 8 << 20
+_BLOCK = 64 << 20  # one hashlib.update (GIL released throughout) per window
 
 
 def _threads() -> int:
@@ -30,16 +31,26 @@ def _threads() -> int:
 
 
 def _hash_range(path: Path, start: int, size: int) -> str:
+    """sha256 of ``size`` bytes at ``start``, hashed from a memory map in _BLOCK windows: hashlib releases
+    the GIL for the whole window (and the page faults happen inside it), so a busy Python thread beside it
+    (the capture, the load) costs one GIL hand-over per window, not per small read (a file read by 8 MiB
+    reads ran ~2.6x slower beside a busy thread here, the map ~1.8x). The file is mapped whole, read only;
+    the loader and the capture map the same files (a file truncated meanwhile faults them all alike)."""
     h = hashlib.sha256()
+    if size <= 0:
+        return h.hexdigest()
     with open(path, "rb") as f:
-        f.seek(start)
-        left = size
-        while left > 0:
-            block = f.read(min(_BLOCK, left))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
+        if os.fstat(f.fileno()).st_size <= start:  # nothing there (an empty file cannot be mapped)
+            return h.hexdigest()
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with m:
+        end = min(start + size, len(m))
+        view = memoryview(m)
+        try:
+            for s in range(start, end, _BLOCK):
+                h.update(view[s:min(s + _BLOCK, end)])
+        finally:
+            view.release()
     return h.hexdigest()
 
 

@@ -206,6 +206,47 @@ def test_gemv_block_choices_match_every_row_count_and_stay_cheap_for_huge_limits
     assert time.perf_counter() - t0 < 0.5
 
 
+def test_the_eager_host_cost_is_the_line_through_each_chain_lengths_best_step():
+    """Per-kernel eager host cost = the slope over chains of 1, 2, 4, 8 kernels (each length's best of its rounds:
+    a slow spell only adds time), the one-kernel step its value at 1; a flat or falling line gives slope 0."""
+    from portlayer.backends.calibration_runner import host_line
+
+    pts = [(r, 30.0 + 20.0 * r) for r in (1, 2, 4, 8)] + [(2, 95.0), (8, 400.0)]  # two slow repeats
+    step, per = host_line(pts)
+    assert abs(per - 20.0) < 1e-9 and abs(step - 50.0) < 1e-9
+    assert host_line([(1, 40.0), (2, 39.0), (4, 38.0)]) == (39.0, 0.0)
+
+
+def test_the_crossover_chain_is_r_distinct_linears_past_the_caches_and_computes_their_product(tmp_path):
+    """The GEMM crossover times a chain of K x K linears whose weights together pass the largest caches (one
+    33.5 MB weight timed alone stays in a 50 MB L2); under the Triton interpreter, as the few-rows path and the
+    Triton GEMM path generate it, the chain equals torch's matmuls in float32."""
+    import torch
+
+    from portlayer.backends.calibration_runner import CHAIN_MIN_BYTES, _program, chain_length, chained_linears
+    from portlayer.capabilities.descriptor import load_descriptor
+    from portlayer.passes.pipeline import run_pipeline
+
+    assert chain_length(4096, torch.bfloat16) * 4096 * 4096 * 2 >= CHAIN_MIN_BYTES > 256 << 20
+    assert 2 <= chain_length(64, torch.bfloat16) <= 256 and chain_length(1 << 15, torch.bfloat16) == 2
+    assert chain_length(1024, torch.bfloat16) * 1024 * 1024 * 2 >= CHAIN_MIN_BYTES
+    k, r = 32, 3
+    graph = chained_linears(k, r, torch.float32)
+    ws = [graph.weights[f"w{i}"] for i in range(r)]
+    assert len({w.data_ptr() for w in ws}) == r
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    want = x
+    for w in ws:
+        want = want @ w.T
+    for name, gemm_rule, gemv_rule in (("gemv", 0, 64), ("triton", 1 << 30, 0)):
+        prog = _program(run_pipeline, graph, load_descriptor("nvidia-h200"), torch.float32, torch.device("cpu"),
+                        tmp_path / name, gemm_rule, gemv_rule)
+        from portlayer.flatten.op_defs.attention import AttentionMetadata
+
+        got = prog.run({"x": x}, AttentionMetadata.single(5, device=torch.device("cpu")), None)[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_generated_attention_program_calibration_times_is_paged_decode_attention(tmp_path):
     """calibrate times decode attention for Triton targets through a generated one-attention program
     (backends/calibration_runner.one_attention); here that program, under the Triton interpreter in float32,

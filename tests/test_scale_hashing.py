@@ -182,21 +182,81 @@ def test_lockstep_reference_is_the_per_step_reference_bit_for_bit(captured):
                     assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, gc.name, i)
 
 
-def test_a_cold_model_hash_overlaps_the_capture_imports_and_is_the_same_hash(tiny_dirs, tmp_path, monkeypatch):
+def test_a_cold_model_hash_runs_beside_the_capture_and_gives_the_serial_compiles_artifact(tiny_dirs, tmp_path,
+                                                                                         monkeypatch):
+    """Nothing memoised: the digest runs while the model is captured (the digest waits for the capture to
+    start, so a serial order would time out), and the artifact is the one the serial order makes (every
+    file's sha256 and the cache key). A copy of the model at a new path (memo misses) is still a cache hit."""
+    import shutil
     import threading
 
-    from portlayer import api
+    import portlayer
+    from portlayer import flatten, model_source
+    from portlayer.runtime.artifact import read_manifest
 
     d = tiny_dirs["tiny-qwen3"]
-    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "cold"))  # nothing memoised
-    monkeypatch.setattr(api, "PREWARM_MIN_BYTES", 0)
-    ran: list[str] = []
-    real = api._prewarm_imports
-    monkeypatch.setattr(api, "_prewarm_imports", lambda p: (ran.append(threading.current_thread().name), real(p)))
-    got = api._model_source(str(d)).sha256
-    assert ran == ["portlayer-prewarm"]
-    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "cold2"))
-    assert got == cache.model_dir_hash(d)
+    started = threading.Event()
+    seen: list[bool] = []  # per digest computed in the helper thread: whether the capture had started
+    real_hash, real_capture = cache.model_dir_hash, flatten.capture
+
+    def hash_after_capture_starts(path: Path) -> str:
+        if threading.current_thread().name == "portlayer-model-hash":
+            seen.append(started.wait(60))
+        return real_hash(path)
+
+    def capture(*a, **k):
+        started.set()
+        return real_capture(*a, **k)
+
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "serial"))
+    serial = portlayer.compile(str(d), target="cpu-x86_64", progress=False)  # small model: digest, then capture
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "overlap"))
+    monkeypatch.setattr(model_source, "OVERLAP_MIN_BYTES", 0)
+    monkeypatch.setattr(cache, "model_dir_hash", hash_after_capture_starts)
+    monkeypatch.setattr(flatten, "capture", capture)
+    over = portlayer.compile(str(d), target="cpu-x86_64", progress=False)
+    assert seen == [True] and not over.cache_hit and "source_wait" in over.timings
+    a, b = read_manifest(serial.path), read_manifest(over.path)
+    assert a.raw["cache_key"] == b.raw["cache_key"] and a.model["sha256"] == b.model["sha256"]
+    assert {k: v["sha256"] for k, v in a.files.items()} == {k: v["sha256"] for k, v in b.files.items()}
+    again = portlayer.compile(str(d), target="cpu-x86_64", progress=False)  # memoised now: looked up first
+    assert again.cache_hit and len(seen) == 1 and "capture" not in again.timings
+    copy = shutil.copytree(d, tmp_path / "copy")  # new inodes: the digest runs beside a capture again
+    started.clear()
+    hit = portlayer.compile(str(copy), target="cpu-x86_64", progress=False)
+    assert hit.cache_hit and seen == [True, True] and hit.path == over.path
+
+
+def test_a_failed_capture_beside_the_digest_raises_without_waiting_for_it(tiny_dirs, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import portlayer
+    from portlayer import flatten, model_source
+    from portlayer.errors import PortlayerError
+
+    release = threading.Event()
+    real_hash = cache.model_dir_hash
+
+    def slow_hash(path: Path) -> str:
+        release.wait(60)
+        return real_hash(path)
+
+    class Refused(PortlayerError):
+        pass
+
+    def refuse(*_a, **_k):
+        raise Refused("this model cannot be captured")
+
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(model_source, "OVERLAP_MIN_BYTES", 0)
+    monkeypatch.setattr(cache, "model_dir_hash", slow_hash)
+    monkeypatch.setattr(flatten, "capture", refuse)
+    t0 = time.perf_counter()
+    with pytest.raises(Refused):
+        portlayer.compile(str(tiny_dirs["tiny-llama"]), target="cpu-x86_64", progress=False)
+    release.set()
+    assert time.perf_counter() - t0 < 30
 
 
 def test_forged_chunk_fields_never_pass_a_modified_file(tmp_path, small_chunks):
@@ -220,3 +280,15 @@ def test_forged_chunk_fields_never_pass_a_modified_file(tmp_path, small_chunks):
                                        "chunks_sha256": _chunk_shas(bad, small_chunks)}) is True
     assert file_hash.bytes_match(bad, {"sha256": tree, "chunk_bytes": small_chunks,
                                        "chunks_sha256": _chunk_shas(orig, small_chunks)}) is False
+
+
+def test_range_hashes_are_hashlibs_over_the_bytes_there_at_edges(tmp_path, monkeypatch):
+    """Memory-mapped windows: a range across window edges, past the end of the file, and an empty file."""
+    monkeypatch.setattr(file_hash, "_BLOCK", 4096)
+    data = os.urandom(3 * 4096 + 123)
+    p = tmp_path / "w.bin"
+    p.write_bytes(data)
+    for start, size in [(0, len(data)), (4000, 5000), (4096, 4096), (len(data) - 5, 100), (len(data), 10), (7, 0)]:
+        assert file_hash._hash_range(p, start, size) == hashlib.sha256(data[start:start + size]).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_hash._hash_range(tmp_path / "empty", 0, 10) == hashlib.sha256(b"").hexdigest()
