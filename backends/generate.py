@@ -38,6 +38,7 @@ def lower_views(ctx: GenContext, group: KernelGroup) -> GroupCode:
 def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     """Codegen context from the Plan's launch configs and the descriptor's facts."""
     from portlayer.codegen.gemm_rule import (
+        gemv_dot_max_tokens,
         gemv_max_tokens,
         gemv_max_weight_bytes,
         triton_gemm_max_tokens,
@@ -50,17 +51,20 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
     return GenContext(graph, launch, warp_size=descriptor.warp_size, compute_units=descriptor.compute_units.count,
                       triton_gemm_max_tokens=triton_gemm_max_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       gemv_max_tokens=gemv_max_tokens(descriptor) if "gemv" in launch else 0,
+                      gemv_dot_max_tokens=gemv_dot_max_tokens(descriptor) if "gemv" in launch else 0,
                       gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
                       wq_vendor_min_tokens=wq_vendor_min_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,
-             gemm_max_tokens: int | None = None, gemv_max_tokens: int | None = None) -> GeneratedProgram:
+             gemm_max_tokens: int | None = None, gemv_max_tokens: int | None = None,
+             gemv_dot_max_tokens: int | None = None) -> GeneratedProgram:
     """The program for a pipeline-optimised ``graph`` on ``descriptor`` (its codegen family's template).
 
-    ``launch`` (family -> config), ``gemm_max_tokens`` and ``gemv_max_tokens`` override the Plan's launch
-    configs and the descriptor's GEMM crossovers: knobs for kernel tests and benchmarks, not decisions."""
+    ``launch`` (family -> config), ``gemm_max_tokens``, ``gemv_max_tokens`` and ``gemv_dot_max_tokens`` override
+    the Plan's launch configs and the descriptor's GEMM crossovers: knobs for kernel tests and benchmarks, not
+    decisions."""
     ctx = context_for(graph, plan, descriptor)
     if launch:
         ctx.launch = {**ctx.launch, **launch}
@@ -68,6 +72,8 @@ def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, lau
         ctx.triton_gemm_max_tokens = gemm_max_tokens
     if gemv_max_tokens is not None:
         ctx.gemv_max_tokens = gemv_max_tokens
+    if gemv_dot_max_tokens is not None:
+        ctx.gemv_dot_max_tokens = gemv_dot_max_tokens
     family = descriptor.codegen
     extra = None
     if family == "cann":

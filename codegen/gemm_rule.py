@@ -31,6 +31,18 @@ def gemv_max_tokens(descriptor: Any) -> int:
     return int(_tuning(descriptor, "gemv_max_tokens"))
 
 
+def gemv_dot_max_tokens(descriptor: Any) -> int:
+    """Rows up to which the tensor-core tier of the few-rows kernels runs, above gemv_max_tokens
+    ($.tuning.gemv_dot_max_tokens), else 0 (no tier). A value at or below gemv_max_tokens adds nothing."""
+    return int(_tuning(descriptor, "gemv_dot_max_tokens"))
+
+
+def few_rows_limit(descriptor: Any) -> int:
+    """The most rows any few-rows kernel (CUDA-core or tensor-core tier) takes: where fusing a norm
+    prologue or a joint epilogue into one launch pays off (passes/fuse.py, the cost model)."""
+    return max(gemv_max_tokens(descriptor), gemv_dot_max_tokens(descriptor))
+
+
 def gemv_max_weight_bytes(descriptor: Any) -> int:
     """The largest weight the few-rows kernel takes ($.tuning.gemv_max_weight_mib), else 0 (any)."""
     return int(_tuning(descriptor, "gemv_max_weight_mib") * 2**20)

@@ -38,25 +38,37 @@ def gemm_block_m_choices(largest: int) -> list[dict[str, int]]:
     return [{"BLOCK_M": bm} for bm in sorted({gemm_block_m(t, largest) for t in range(1, 2 * largest + 1)})]
 
 
-def gemv_block_choices(max_rows: int, block_k: int, least: int = 32) -> list[dict[str, int]]:
-    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for 1..max_rows rows: one per power of two up to
-    the first >= max_rows (gemv_blocks pads rows to a power of two), so a huge max_rows costs log2 steps."""
+def gemv_block_choices(max_rows: int, block_k: int, least: int = 32, min_rows: int = 1,
+                       tensor_cores: bool = False) -> list[dict[str, int]]:
+    """Every (BLOCK_M, BLOCK_K) that gemv_blocks can pick for min_rows..max_rows rows: one per power of two
+    up to the first >= max_rows (gemv_blocks pads rows to a power of two), so a huge max_rows costs log2 steps.
+    ``tensor_cores``: the tier's choices (rows from gemv_max_tokens + 1 to gemv_dot_max_tokens)."""
     pairs, bm = set(), 1
+    while bm < max(1, min_rows):
+        bm *= 2
     while True:
-        pairs.add(gemv_blocks(bm, block_k, least))
+        pairs.add(gemv_blocks(bm, block_k, least, tensor_cores))
         if bm >= max(1, max_rows):
             break
         bm *= 2
     return [{"BLOCK_M": bm, "BLOCK_K": bk} for bm, bk in sorted(pairs)]
 
 
-def gemv_blocks(rows: int, block_k: int, least: int = 32) -> tuple[int, int]:
+#: The tensor-core tier's A tile ([BLOCK_M, BLOCK_K]) holds at most this many elements: the K tile narrows as
+#: rows grow so A, the [BLOCK_N, BLOCK_K] W tile and the accumulator stay in registers (no [M, N, K] product).
+DOT_A_TILE = 8192
+
+
+def gemv_blocks(rows: int, block_k: int, least: int = 32, tensor_cores: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the few-rows GEMM for a step: rows padded to a power of two, and the K
     tile narrowed as rows grow so the [rows, BLOCK_N, BLOCK_K] products keep one register budget
-    (never below ``least``: a quantized tile holds whole groups)."""
-    bm = 1
+    (never below ``least``: a quantized tile holds whole groups). ``tensor_cores`` (the tl.dot tier):
+    at least 16 rows (tl.dot's smallest tile) and an A tile of at most DOT_A_TILE elements."""
+    bm = 16 if tensor_cores else 1
     while bm < rows:
         bm *= 2
+    if tensor_cores:
+        return bm, max(least, min(block_k, DOT_A_TILE // bm))
     return bm, max(least, block_k // bm)
 
 

@@ -279,13 +279,16 @@ def _unfused_parts(rec: Mapping[str, Any], by_name: Mapping[str, Node], types: M
 def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, torch_family: bool,
                weight_bytes: int = 0) -> str:
     """Which GEMM codegen runs at M rows (codegen/gemm_rule.py's thresholds from the descriptor; a weight over
-    tuning.gemv_max_weight_mib keeps the vendor GEMM at every row count, codegen/kernels/gemm_group.py)."""
+    tuning.gemv_max_weight_mib keeps the vendor GEMM at every row count, codegen/kernels/gemm_group.py).
+    "gemv" covers both few-rows tiers (CUDA cores up to gemv_max_tokens, tensor cores up to
+    gemv_dot_max_tokens): one launch per fused group, priced as the few-rows path at M rows."""
     impl = rec.get("impl")
     if torch_family or impl not in ("triton.gemm", "triton.gemm_wq"):
         return "vendor"
     tuning = descriptor.get("tuning") or {}
     cap = float(tuning.get("gemv_max_weight_mib", 0)) * 2**20
-    if m <= int(tuning.get("gemv_max_tokens", 0)) and (cap <= 0 or weight_bytes <= cap):
+    few_rows = max(int(tuning.get("gemv_max_tokens", 0)), int(tuning.get("gemv_dot_max_tokens", 0)))
+    if m <= few_rows and (cap <= 0 or weight_bytes <= cap):
         return "gemv"
     if impl == "triton.gemm_wq":  # weight-only quantized: generated, or dequantize + vendor from wq_vendor_min_tokens
         start = int(tuning.get("wq_vendor_min_tokens", 0))

@@ -138,12 +138,13 @@ def _scratch(g: Graph, k: dict[str, Any], st: FuseState, users: dict[str, list[N
 
 
 def _gemv_rows(ctx: PassContext) -> int:
-    """The few-rows GEMM's row limit where this target generates it (as backends/generate.py reads it)."""
-    from portlayer.codegen.gemm_rule import gemv_max_tokens
+    """The few-rows GEMMs' row limit (either tier) where this target generates them (as backends/generate.py
+    reads it): a norm prologue or a joint epilogue is worth forming when any few-rows kernel runs."""
+    from portlayer.codegen.gemm_rule import few_rows_limit
 
     if getattr(ctx.descriptor, "codegen", None) != "triton" or "gemv" not in (ctx.plan.launch_configs or {}):
         return 0
-    return gemv_max_tokens(ctx.descriptor)
+    return few_rows_limit(ctx.descriptor)
 
 
 def fuse(graph: Graph, ctx: PassContext) -> Graph:

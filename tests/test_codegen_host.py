@@ -60,8 +60,9 @@ def test_identical_layers_share_kernels_and_host_is_python(captured):
         ast.parse(src)
     # one kernel per distinct code: embedding, 3 norms, rope with and without the KV-cache write, silu*mul,
     # prefill paged/dense, decode, and the decode GEMMs (few-rows plain; with the norm prologue: Q|K|V side by
-    # side with and without the residual add, gate|up with the silu*mul epilogue, the vocabulary projection)
-    assert len(gen.kernel_sources()) <= 15
+    # side with and without the residual add, gate|up with the silu*mul epilogue, the vocabulary projection), each
+    # decode GEMM also in its tensor-core tier (tuning.gemv_dot_max_tokens)
+    assert len(gen.kernel_sources()) <= 20
 
 
 def _qwen3(layers: int):

@@ -103,7 +103,7 @@ def test_quantized_fused_decode_group(tmp_path, monkeypatch, kind, bits, k, grou
     launches: list[str] = []
     record_launches(monkeypatch, launches)
     monkeypatch.setattr(gemm_rule, "wq_vendor_min_tokens", lambda descriptor: 6)
-    _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4)
+    _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
     groups = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] not in ("view",)]
     assert len(groups) == 1 and groups[0]["prologue"], [kg["nodes"] for kg in groups]  # norm + linears (+ epilogue)
     g = torch.Generator().manual_seed(k)
@@ -130,7 +130,7 @@ def test_tiles_inside_a_group_and_spanning_groups_both_run(tmp_path):
     forms = set()
     for kind, bits, k, group, offsets in CASES:
         graph, _ = _build(kind, bits, k, group, offsets)
-        gen, _ = build_program(graph, tmp_path / f"{kind}{bits}{k}{group}", launch=LAUNCH, gemv_max_tokens=4)
+        gen, _ = build_program(graph, tmp_path / f"{kind}{bits}{k}{group}", launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
         for spec in gen.kernels.values():
             if spec.name.startswith("gemv_"):
                 forms |= {f for f, mark in (("in", "one scale per column"), ("span", "one scale per (column, group)"))
@@ -140,7 +140,7 @@ def test_tiles_inside_a_group_and_spanning_groups_both_run(tmp_path):
 
 def test_a_float_and_a_quantized_sibling_are_refused_with_a_reason(tmp_path):
     graph, want = _build("siblings", 8, 64, 32, True, mixed=True)
-    _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4)
+    _, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
     refused = prog.result.graph.meta["fusion"]["refused"]
     assert any("one launch reads one weight layout" in why for why in refused.values()), refused
     g = torch.Generator().manual_seed(1)

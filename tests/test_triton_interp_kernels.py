@@ -225,7 +225,7 @@ def test_weight_only_quantized_gemm(tmp_path, monkeypatch, dtype, bits, k, group
         y = bld.add1("silu", [y])
         want = want * torch.sigmoid(want)
     bld.graph.outputs = [y]
-    _, prog = build_program(bld.graph, tmp_path)
+    _, prog = build_program(bld.graph, tmp_path, gemv_dot_max_tokens=0)  # 9 rows: the tiled GEMM, not the tier
     kernels = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] != "view"]
     assert len(kernels) == 1 and kernels[0]["impl"] == "triton.gemm_wq", kernels
     ours = prog.run({"x": x}, None, None)[0]
@@ -250,7 +250,8 @@ def test_few_rows_gemm_and_the_rows_rule(tmp_path, dtype, n, k, bias, epilogue):
     b.graph.outputs = [y]
     launch = {"gemm": {"num_warps": 4, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 2},
               "gemv": {"num_warps": 4, "TILE": 256, "PROGRAMS": 4, "num_stages": 1}}
-    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4)
+    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4,
+                            gemv_dot_max_tokens=0)
     host = (tmp_path / "host.py").read_text()
     assert "K.gemv_" in host and "K.gemm_" in host, host
     for t in (1, 3, 4, 7):
@@ -282,7 +283,7 @@ def test_few_rows_weight_only_quantized(tmp_path, bits, k, group, offsets):
         ins.append(bld.add_param("offsets", o))
     bld.graph.outputs = [bld.add1("linear_wq", ins, {"bits": bits, "group_size": group})]
     launch = {"gemv": {"num_warps": 4, "TILE": 512, "PROGRAMS": 4, "num_stages": 1}}
-    _, prog = build_program(bld.graph, tmp_path, launch=launch, gemv_max_tokens=2)
+    _, prog = build_program(bld.graph, tmp_path, launch=launch, gemv_max_tokens=2, gemv_dot_max_tokens=0)
     assert "K.gemv_w" in (tmp_path / "host.py").read_text()
     for t in (1, 2, 5):
         x = torch.randn(t, k, generator=g)
@@ -302,7 +303,8 @@ def test_sibling_linears_share_one_few_rows_launch(tmp_path, dtype):
     b.graph.outputs = [b.add1("linear", [x, b.add_param(f"w{i}", w)]) for i, w in enumerate(ws)]
     launch = {"gemm": {"num_warps": 4, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 2},
               "gemv": {"num_warps": 4, "TILE": 256, "PROGRAMS": 4, "num_stages": 1}}
-    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4)
+    _, prog = build_program(b.graph, tmp_path, launch=launch, triton_gemm_max_tokens=1 << 30, gemv_max_tokens=4,
+                            gemv_dot_max_tokens=0)
     ks = [kg for kg in prog.result.graph.meta["kernels"] if kg["family"] == "gemm"]
     assert len(ks) == 1 and len(ks[0]["nodes"]) == 3, ks
     host = (tmp_path / "host.py").read_text()

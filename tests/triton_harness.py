@@ -47,18 +47,18 @@ def float_dtype(graph: Graph) -> str:
 
 def build_program(graph: Graph, tmp: Path, *, target: str = "nvidia-h200", launch=None,
                   triton_gemm_max_tokens: int | None = None, gemv_max_tokens: int | None = None, device: str = "cpu",
-                  **options: Any):
+                  gemv_dot_max_tokens: int | None = None, **options: Any):
     """The pipeline's program for ``graph`` on ``target`` (passes -> lowerings -> host program), loaded.
 
-    ``launch`` / ``triton_gemm_max_tokens`` replace the Plan's launch configs and the descriptor's GEMM
-    crossover, so a test can reach a template path the shipped numbers do not choose at this size."""
+    ``launch`` / ``triton_gemm_max_tokens`` / ``gemv_max_tokens`` / ``gemv_dot_max_tokens`` replace the Plan's
+    launch configs and the descriptor's GEMM crossovers, so a test can reach a template path the shipped numbers do not choose at this size."""
     from portlayer.backends.generate import generate
     from portlayer.codegen.program import load_program, write_program
     from portlayer.passes.pipeline import run_pipeline
 
     result = run_pipeline(graph, target, overrides={"compute_dtype": float_dtype(graph), "weight_quantization": "none"})
     gen = generate(result.graph, result.plan, result.descriptor, launch=launch, gemm_max_tokens=triton_gemm_max_tokens,
-                   gemv_max_tokens=gemv_max_tokens)
+                   gemv_max_tokens=gemv_max_tokens, gemv_dot_max_tokens=gemv_dot_max_tokens)
     assert gen.fallbacks == [], gen.fallbacks
     write_program(gen, tmp)
     options.setdefault("max_seqs", 8)

@@ -27,6 +27,7 @@ class GenContext:
     compute_units: int = 108
     triton_gemm_max_tokens: int = 0
     gemv_max_tokens: int = 0
+    gemv_dot_max_tokens: int = 0  # the few-rows kernels' tensor-core tier up to these rows (gemm_rule; 0: none)
     gemv_max_weight_bytes: int = 0
     wq_vendor_min_tokens: int = 0  # linear_wq: dequantize + vendor GEMM from these rows (0: never; gemm_rule)
     shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)

@@ -19,12 +19,21 @@ from __future__ import annotations
 from typing import Any
 
 from portlayer.codegen.expr import IndexContext, Unsupported, load_line, lower_chain
-from portlayer.codegen.host_support import gemm_block_m_choices, gemv_block_choices
+from portlayer.codegen.host_support import gemm_block_m_choices
 from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
 from portlayer.codegen.kernels.gemm_quant import dequant_vendor, layout_text, quant_layout
+from portlayer.codegen.kernels.gemv_tiles import (
+    dot_dtype,
+    few_rows_choices,
+    few_rows_tiers,
+    gemv_blocks_call,
+    gemv_tiles,
+    quant_tiles,
+    tier_why,
+)
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
-from portlayer.codegen.spec import FLOAT_DTYPES, Param, pow2, ptr, short_dtype
+from portlayer.codegen.spec import FLOAT_DTYPES, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node, normalize_dim
 from portlayer.flatten.ops import get_op
 
@@ -132,46 +141,12 @@ def _block_k(k_group: int, want: int, minimum: int) -> int:
     return b
 
 
-def _gemv_blocks(cfg: dict[str, int], n: int, k: int, group: int = 32) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K at one row) of the few-rows kernel, from the Plan's launch.gemv config:
-    enough column blocks to give every compute unit ``PROGRAMS // CUs`` programs, and a W tile of
-    at most ``TILE`` elements whose K side divides K where it can (no half-empty last tile)."""
-    bn = 2
-    while bn < 16 and n // (bn * 2) >= cfg["PROGRAMS"]:
-        bn *= 2
-    cap = max(group, cfg["TILE"] // bn)
-    bk = group
-    while bk * 2 <= cap and k % (bk * 2) == 0:
-        bk *= 2
-    if k % bk:  # K has no power-of-two divisor >= 32: masked tiles of the register budget's width
-        bk = group
-        while bk * 2 <= min(cap, pow2(k)):
-            bk *= 2
-    return bn, bk
-
-
-def quant_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
-    """(BLOCK_N, BLOCK_K, in_group, least BLOCK_K) of a quantized few-rows kernel: the K tile lies inside one
-    group (per channel, large or non-power-of-two groups: the largest power of two dividing the group) or
-    holds whole power-of-two groups; ``least`` bounds the tile gemv_blocks narrows as rows grow.
-    linear_wq's lowering takes groups that are multiples of 16 (int8) / 32 (int4), so a tile always exists."""
-    cfg = {**cfg, "TILE": max(32, cfg["TILE"] // tile_parts)}
-    bn, bk = _gemv_blocks(cfg, n, k)
-    if group % bk == 0:
-        return bn, bk, True, min(32, bk)
-    if pow2(group) == group:
-        bn, bk = _gemv_blocks(cfg, n, k, max(32, group))
-        return bn, bk, bk <= group, min(bk, max(32, group))
-    d = 1
-    while group % (d * 2) == 0 and d * 2 <= bk:
-        d *= 2
-    return bn, d, True, d
-
-
-def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False, prologue: Any = None):
+def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = False, prologue: Any = None,
+                      dot: bool = False):
     """The Triton GEMM spec for a group (linear or linear_wq + optional epilogue nodes);
-    ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products;
-    ``prologue``: its norm prologue (gemv_fused.NormPrologue: the activation is computed in-kernel)."""
+    ``few_rows``: the decode kernel (gemv.py.j2), same operands, CUDA-core dot products (``dot``: its
+    tensor-core tier, tl.dot); ``prologue``: its norm prologue (gemv_fused.NormPrologue: the activation is
+    computed in-kernel)."""
     nodes = group.nodes
     lin, epi = nodes[0], nodes[1:]
     quant = None
@@ -180,7 +155,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         bias = lin.inputs[3] if len(lin.inputs) > 3 else None
         off = lin.inputs[4] if len(lin.inputs) > 4 else None
         bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
-        quant = {"bits": bits, "offsets": off is not None}
+        quant = {"bits": bits, "offsets": off is not None, "dot": False}
         n_out = int(ctx.types[qw].shape[0])
         k_in = int(ctx.types[x].shape[-1])
     else:
@@ -195,8 +170,10 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         body = lower_chain(epi, ctx.types, out_t.shape, GEMM_IDX, bound={lin.outputs[0].name: "y"}, prefix="e")
     cfg = ctx.cfg("gemv" if few_rows else "gemm")
     if few_rows:
-        bn, bk = _gemv_blocks(cfg, n_out, k_in)
-        if quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
+        bn, bk = gemv_tiles(cfg, n_out, k_in, dot=dot)
+        if quant and dot:  # the tile is dequantized element by element: any K tile, each column its group's scale
+            quant.update(least=32, in_group=False, dot=True)
+        elif quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
             bn, bk, quant["in_group"], quant["least"] = quant_tiles(cfg, n_out, k_in, gsize)
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
@@ -226,7 +203,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     params += [Param("c_ptr", ptr(out_t.dtype)), Param("M", "i32")]
     params += [Param("eps", "fp32")] if prologue is not None else []
     params += [Param(c, "constexpr") for c in const]
-    variant = (f"w{quant['bits']}{'a' if quant['offsets'] else ''}_" if quant else "")
+    tier_dtype = dot_dtype(x_t.dtype, None if quant else ctx.types[w].dtype) if few_rows and dot else None
+    variant = ("dot_" if tier_dtype else "") + (f"w{quant['bits']}{'a' if quant['offsets'] else ''}_" if quant else "")
     variant += prologue.variant if prologue is not None else ""
     variant += ("epi_" + "_".join(n.op for n in epi[:3]) + "_" if epi else "") + short_dtype(x_t.dtype)
     spec = make_kernel(
@@ -234,12 +212,15 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         const, cfg["num_warps"], cfg["num_stages"],
         doc=("Weight-only quantized " if quant else "") + ("matrix multiply for few rows" if few_rows else "matrix multiply")
         + (" with a fused epilogue." if epi else "."),
-        has_bias=bool(bias), dot_args=dot_args(x_t.dtype), quant=quant,
+        has_bias=bool(bias), dot_args=dot_args("float32" if tier_dtype == "tl.float32" else x_t.dtype), quant=quant,
         epilogue_ptrs=[f"{op.var}_ptr" for op in epi_ops],
         epilogue_loads=[load_line(op, f"{op.var}_ptr", "cmask") for op in epi_ops],
         epilogue_lines=body.lines if body else [], epilogue_result=body.results[out_name] if body else "y",
         round_dtype=round_dtype(out_t.dtype), prologue=prologue.template if prologue is not None else None,
+        dot=tier_dtype,
     )
+    if few_rows:
+        spec.extra["gemv_dot"] = dot
     if quant and few_rows:
         spec.extra["gemv_least"] = quant["least"]  # the narrowest K tile gemv_blocks may pick (_gemv_lines)
     args += [op.value for op in epi_ops] + [out_name]
@@ -261,9 +242,9 @@ def _gemv_lines(ctx: GenContext, group: KernelGroup, spec, args, const, cfg, tai
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     grid = f"(triton.cdiv({const['N']}, {const['BLOCK_N']}),)"
     low = int(spec.extra.get("gemv_least", 32))
-    least = f", {low}" if low != 32 else ""
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, const["BLOCK_K"], low)
-    return [f"bm, bk = gemv_blocks({m}, {const['BLOCK_K']}{least})",
+    dot = bool(spec.extra.get("gemv_dot"))
+    spec.runtime_choices = few_rows_choices(ctx, const["BLOCK_K"], low, dot)
+    return [gemv_blocks_call(m, const["BLOCK_K"], low, dot),
             f"K.{spec.name}[{grid}]({', '.join(args)}, {m}{tail}, BLOCK_M=bm, BLOCK_K=bk, {consts}, "
             f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
@@ -284,8 +265,9 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
     ``few_rows=False``: only the kernels above the rule (a caller with its own few-rows kernel)."""
     from portlayer.codegen.kernels.gemv_fused import sibling_gemv
 
+    tiers = few_rows_tiers(ctx)
     if not siblings(group.nodes):
-        return _build_one(ctx, group, few_rows=few_rows and ctx.gemv_max_tokens > 0)
+        return _build_one(ctx, group, few_rows=few_rows and bool(tiers))
     code = GroupCode(buffers=[n.outputs[0].name for n in group.nodes])
     rest: list[str] = []
     for n in group.nodes:
@@ -294,14 +276,16 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
         part = _build_one(ctx, one, few_rows=False)
         code.kernels += part.kernels
         rest += part.lines
-    if ctx.gemv_max_tokens <= 0 or not few_rows:
+    if not tiers or not few_rows:
         code.lines = rest
         return code
-    spec, few = sibling_gemv(ctx, group.nodes, None)
-    code.kernels.append(spec)
+    branches = []
+    for limit, dot in tiers:
+        spec, few = sibling_gemv(ctx, group.nodes, None, dot=dot)
+        code.kernels.append(spec)
+        branches.append((limit, few, tier_why(dot, "one launch, ")))
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
-    code.lines = _by_rows(m, [(ctx.gemv_max_tokens, few, "gemm_rule: a few rows read the weights once, one launch")],
-                          rest)
+    code.lines = _by_rows(m, branches, rest)
     return code
 
 
@@ -314,15 +298,16 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     few: list[tuple[int, list[str], str]] = []
     weight = ctx.types[lin.inputs[1]]
     small = ctx.gemv_max_weight_bytes <= 0 or weight.nbytes({}) <= ctx.gemv_max_weight_bytes
+    tiers = few_rows_tiers(ctx)
     if few_rows and small:  # quantized: quant_tiles finds a K tile for every group linear_wq's lowering takes
-        spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True)
-        code.kernels.append(spec)
-        few = [(ctx.gemv_max_tokens, _gemv_lines(ctx, group, spec, args, const, cfg),
-                "gemm_rule: a few rows read W once on the CUDA cores")]
+        for limit, dot in tiers:
+            spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True, dot=dot)
+            code.kernels.append(spec)
+            few.append((limit, _gemv_lines(ctx, group, spec, args, const, cfg), tier_why(dot)))
     if lin.op == "linear_wq":
         start = ctx.wq_vendor_min_tokens
         # rows a few-rows kernel takes: this group's, or its caller's (few_rows=False: gemm_group / siblings)
-        low = ctx.gemv_max_tokens if few or (not few_rows and small) else 0
+        low = tiers[-1][0] if tiers and (few or (not few_rows and small)) else 0
         tiled: list[str] = []
         if start <= 0 or start - 1 > low:  # the Triton weight-only GEMM runs at some row count
             spec, args, const, cfg = build_gemm_kernel(ctx, group)

@@ -2,8 +2,8 @@
 
 A group is ``prologue`` (nothing, or [add,] rms_norm whose output only the group's linears read),
 then ``linears`` (one, or several of that one activation) and ``epilogue`` (pointwise nodes over
-their output). At rows <= ``tuning.gemv_max_tokens`` it is one few-rows launch (gemv_fused.py);
-above, the host program runs what each part would have been on its own: the norm kernel, then
+their output). At rows <= ``tuning.gemv_max_tokens`` it is one few-rows launch (gemv_fused.py), and
+up to ``tuning.gemv_dot_max_tokens`` one launch of the same kernel's tensor-core tier; above, the host program runs what each part would have been on its own: the norm kernel, then
 the vendor / Triton GEMMs (codegen/kernels/gemm.py), so those buffers are the lowering's scratch.
 The fuse pass only asks ``accepts_gemm_group``; nothing here re-decides its grouping.
 """
@@ -16,6 +16,7 @@ from portlayer.codegen.expr import IndexContext, Unsupported, lower_chain
 from portlayer.codegen.kernels import gemm
 from portlayer.codegen.kernels.context import GenContext, host_numel
 from portlayer.codegen.kernels.gemv_fused import joint_gemv, norm_prologue, sibling_gemv
+from portlayer.codegen.kernels.gemv_tiles import few_rows_tiers, tier_why
 from portlayer.codegen.kernels.reduction import build_reduction, split_row_norm
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
 from portlayer.codegen.spec import FLOAT_DTYPES
@@ -45,7 +46,7 @@ def split_parts(nodes: list[Node]) -> GemmParts:
 def _accepts_prologue(query: GroupQuery, parts: GemmParts, members: set[str]) -> tuple[bool, str]:
     if int(getattr(query, "gemv_rows", 0)) <= 0:
         return False, ("a norm prologue runs in the few-rows kernel only, and this descriptor has none "
-                       "(tuning.gemv_max_tokens = 0): the norm stays its own kernel")
+                       "(tuning.gemv_max_tokens = 0, no tuning.gemv_dot_max_tokens): the norm stays its own kernel")
     try:
         norm, pro, epi = split_row_norm(parts.prologue, query.types)
     except Unsupported as e:
@@ -135,7 +136,7 @@ def _sub(group: KernelGroup, tag: str, nodes: list[Node], outputs: list[str]) ->
 
 def _few_rows_ok(ctx: GenContext, linears: list[Node]) -> bool:
     cap = ctx.gemv_max_weight_bytes
-    return ctx.gemv_max_tokens > 0 and all(n.op in ("linear", "linear_wq")
+    return bool(few_rows_tiers(ctx)) and all(n.op in ("linear", "linear_wq")
                                            and (cap <= 0 or ctx.types[n.inputs[1]].nbytes({}) <= cap) for n in linears)
 
 
@@ -177,16 +178,18 @@ def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
     if not _few_rows_ok(ctx, parts.linears):
         code.lines = rest
         return code
-    if joint:
-        spec, few, _ = joint_gemv(ctx, parts.linears, parts.epilogue, pro)
-    elif len(parts.linears) > 1:
-        spec, few = sibling_gemv(ctx, parts.linears, pro)
-    else:
-        core = _sub(group, "core", parts.core, core_out)
-        spec, args, const, cfg = gemm.build_gemm_kernel(ctx, core, few_rows=True, prologue=pro)
-        few = gemm._gemv_lines(ctx, core, spec, args, const, cfg, tail=f", {pro.eps!r}")
-    code.kernels.append(spec)
+    branches = []
+    for limit, dot in few_rows_tiers(ctx):
+        if joint:
+            spec, few, _ = joint_gemv(ctx, parts.linears, parts.epilogue, pro, dot=dot)
+        elif len(parts.linears) > 1:
+            spec, few = sibling_gemv(ctx, parts.linears, pro, dot=dot)
+        else:
+            core = _sub(group, "core", parts.core, core_out)
+            spec, args, const, cfg = gemm.build_gemm_kernel(ctx, core, few_rows=True, prologue=pro, dot=dot)
+            few = gemm._gemv_lines(ctx, core, spec, args, const, cfg, tail=f", {pro.eps!r}")
+        code.kernels.append(spec)
+        branches.append((limit, few, tier_why(dot, ("norm in the prologue, " if pro else "") + "one launch, ")))
     m = host_numel(ctx.types[parts.linears[0].inputs[0]].shape[:-1])
-    code.lines = gemm._by_rows(m, [(ctx.gemv_max_tokens, few, "gemm_rule: a few rows read the weights once, "
-                                    + ("norm in the prologue, " if pro else "") + "one launch")], rest)
+    code.lines = gemm._by_rows(m, branches, rest)
     return code

@@ -1,4 +1,5 @@
-"""The few-rows GEMMs' fused forms at decode (gemm_rule: rows <= tuning.gemv_max_tokens).
+"""The few-rows GEMMs' fused forms at decode (gemm_rule: rows <= tuning.gemv_max_tokens, and their
+tensor-core tier up to tuning.gemv_dot_max_tokens: the same launches with tl.dot as the product).
 
 At a handful of rows every few-rows program reads the whole activation row anyway (K = hidden),
 so the residual add + RMSNorm that makes it can run in each program's prologue
@@ -14,9 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portlayer.codegen.expr import load_line, lower_chain
-from portlayer.codegen.host_support import gemv_block_choices
-from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
+from portlayer.codegen.kernels.context import GenContext, dot_args, host_numel, make_kernel, round_dtype
 from portlayer.codegen.kernels.gemm_quant import bias_of
+from portlayer.codegen.kernels.gemv_tiles import (
+    dot_dtype,
+    few_rows_choices,
+    gemv_blocks_call,
+    gemv_tiles,
+    quant_tiles,
+)
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
 
@@ -71,6 +78,7 @@ class Weights:
     bk: int
     quant: dict[str, Any] | None
     least: int = 32
+    dot: bool = False  # the tensor-core tier's tiles (16 columns a program; gemv_blocks(..., tensor_cores=True))
 
     @property
     def const(self) -> dict[str, int]:
@@ -81,39 +89,52 @@ class Weights:
         return f"w{self.quant['bits']}{'a' if self.quant['offsets'] else ''}_" if self.quant else ""
 
     def blocks_call(self, m: str) -> str:
-        return f"bm, bk = gemv_blocks({m}, {self.bk}{f', {self.least}' if self.least != 32 else ''})"
+        return gemv_blocks_call(m, self.bk, self.least, self.dot)
+
+    def template(self, ctx: GenContext, x_dtype: str) -> dict[str, Any]:
+        """The template's tier flags: ``dot`` (the tl dtype of the tensor-core product, or None) and its args."""
+        if not self.dot:
+            return {"dot": None, "dot_args": ""}
+        dt = dot_dtype(x_dtype, None if self.quant else ctx.types[self.args[0]].dtype)
+        return {"dot": dt, "dot_args": dot_args("float32" if dt == "tl.float32" else x_dtype)}
 
 
-def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 1) -> Weights:
+def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 1, dot: bool = False) -> Weights:
     """``n``: the columns the programs split (their sum for siblings, one weight's for a joint launch);
-    ``parts``: weights each program reads side by side (its W tile budget is shared among them)."""
-    from portlayer.codegen.kernels.gemm import _gemv_blocks, quant_tiles
-
+    ``parts``: weights each program reads side by side (its W tile budget is shared among them);
+    ``dot``: the tensor-core tier's tiles."""
     cfg = ctx.cfg("gemv")
     if linears[0].op != "linear_wq":
-        bn, bk = _gemv_blocks({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k)
+        bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=dot)
         return Weights([Param(f"w{i}_ptr", ptr(ctx.types[x.inputs[1]].dtype)) for i, x in enumerate(linears)],
-                       [x.inputs[1] for x in linears], bn, bk, None)
+                       [x.inputs[1] for x in linears], bn, bk, None, dot=dot)
     lin = linears[0]
     bits, group = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
     offsets = len(lin.inputs) > 4 and lin.inputs[4] is not None
-    bn, bk, in_group, least = quant_tiles(cfg, n, k, group, parts)
+    if dot:  # each element of the tile is dequantized with its own group's scale: any K tile
+        bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=True)
+        in_group, least = False, 32
+    else:
+        bn, bk, in_group, least = quant_tiles(cfg, n, k, group, parts)
     params: list[Param] = []
     args: list[str] = []
     for i, x in enumerate(linears):
         names = [x.inputs[1], x.inputs[2]] + ([x.inputs[4]] if offsets else [])
         params += [Param(f"{c}{i}_ptr", ptr(ctx.types[v].dtype)) for c, v in zip("qso", names)]
         args += names
-    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "in_group": in_group, "G": group}, least)
+    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "in_group": in_group, "G": group, "dot": dot},
+                   least, dot)
 
 
-def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None) -> tuple[KernelSpec, list[str]]:
-    """Sibling linears of one activation in one few-rows launch, the programs split among the weights."""
+def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None, dot: bool = False
+                 ) -> tuple[KernelSpec, list[str]]:
+    """Sibling linears of one activation in one few-rows launch, the programs split among the weights
+    (``dot``: the tensor-core tier)."""
     x_t = ctx.types[linears[0].inputs[0]]
     ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in linears]
     k_in = int(x_t.shape[-1])
     cfg = ctx.cfg("gemv")
-    ws = _weights(ctx, linears, sum(ns), k_in)
+    ws = _weights(ctx, linears, sum(ns), k_in, dot=dot)
     bn, bk = ws.bn, ws.bk
     parts = len(linears)
     biases = [bias_of(n) for n in linears]
@@ -126,15 +147,15 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None)
               + [Param(c, "constexpr") for c in ("K", "BLOCK_M", "BLOCK_N", "BLOCK_K", *ws.const)])
     const = {"K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, **ws.const}
     starts = ["0"] + [" + ".join(f"tl.cdiv(N{j}, BLOCK_N)" for j in range(i + 1)) for i in range(parts)]
-    variant = (f"x{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
+    variant = ("dot_" if dot else "") + (f"x{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
                + short_dtype(x_t.dtype))
     spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], starts=starts,
-                       prologue=pro.template if pro else None, quant=ws.quant,
+                       prologue=pro.template if pro else None, quant=ws.quant, **ws.template(ctx, x_t.dtype),
                        doc=("Weight-only quantized: " if ws.quant else "")
                        + f"{parts} matrix multiplies of one activation for few rows, in one launch.")
     m = host_numel(x_t.shape[:-1])
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk, ws.least)
+    spec.runtime_choices = few_rows_choices(ctx, bk, ws.least, dot)
     grid = " + ".join(f"triton.cdiv({n}, {bn})" for n in ns)
     args = [*(pro.args if pro else [linears[0].inputs[0]]), *ws.args, *(b for b in biases if b),
             *(n.outputs[0].name for n in linears), *(str(n) for n in ns)]
@@ -145,10 +166,10 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None)
                   f"BLOCK_N={bn}{consts}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']})"]
 
 
-def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: NormPrologue | None
-               ) -> tuple[KernelSpec, list[str], str]:
+def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: NormPrologue | None,
+               dot: bool = False) -> tuple[KernelSpec, list[str], str]:
     """Linears of one activation and equal N, every program the same columns of each, and the
-    epilogue that combines them; returns (spec, launch lines, the value it writes)."""
+    epilogue that combines them (``dot``: the tensor-core tier); returns (spec, launch lines, the value it writes)."""
     from portlayer.codegen.kernels.gemm import GEMM_IDX
 
     x = linears[0].inputs[0]
@@ -157,7 +178,7 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     k_in = int(x_t.shape[-1])
     parts = len(linears)
     cfg = ctx.cfg("gemv")
-    ws = _weights(ctx, linears, n_out, k_in, parts)
+    ws = _weights(ctx, linears, n_out, k_in, parts, dot=dot)
     bn, bk = ws.bn, ws.bk
     out_name = epilogue[-1].outputs[0].name
     out_t = ctx.types[out_name]
@@ -171,17 +192,18 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
               + [Param("c_ptr", ptr(out_t.dtype)), Param("M", "i32")] + ([Param("eps", "fp32")] if pro else [])
               + [Param(c, "constexpr") for c in ("N", "K", "BLOCK_M", "BLOCK_N", "BLOCK_K", *ws.const)])
     const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, **ws.const}
-    variant = (f"j{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
+    variant = ("dot_" if dot else "") + (f"j{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
                + "epi_" + "_".join(n.op for n in epilogue[:3]) + "_" + short_dtype(x_t.dtype))
     spec = make_kernel("triton/gemv_joint.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], prologue=pro.template if pro else None,
                        quant=ws.quant, rounds=[round_dtype(n.outputs[0].type.dtype) for n in linears],
+                       **ws.template(ctx, x_t.dtype),
                        epilogue_ptrs=[f"{op.var}_ptr" for op in body.operands],
                        epilogue_loads=[load_line(op, f"{op.var}_ptr", "cmask") for op in body.operands],
                        epilogue_lines=body.lines, epilogue_result=body.results[out_name],
                        doc=f"{parts} matrix multiplies of one activation and their fused epilogue for few rows, in one launch.")
     m = host_numel(x_t.shape[:-1])
-    spec.runtime_choices = gemv_block_choices(ctx.gemv_max_tokens, bk, ws.least)
+    spec.runtime_choices = few_rows_choices(ctx, bk, ws.least, dot)
     args = [*(pro.args if pro else [x]), *ws.args, *(b for b in biases if b),
             *(op.value for op in body.operands), out_name]
     tail = f", {pro.eps!r}" if pro else ""

@@ -1,0 +1,63 @@
+"""matrix multiply for few rows.
+
+C[M, N] = A[M, K] @ W[N, K]^T for a few rows (decode), accumulated in float32. The residual add + RMSNorm that produces A runs in the prologue of every program (A never goes to memory).
+At a handful of rows a matrix multiply is a read of W: each program owns BLOCK_N output columns for
+all M rows, streams its [BLOCK_N, K] slice of W once in [BLOCK_N, BLOCK_K] tiles along K (contiguous,
+16-byte loads), and multiplies on the tensor cores (the tier above tuning.gemv_max_tokens):
+tl.dot of the A tile (rows padded to BLOCK_M >= 16, cast to tl.bfloat16) with the W tile, accumulated in float32.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_dot_add_nosum_rms_bf16_fd8979(
+    a_ptr,
+    res_ptr,
+    nw_ptr,
+    w_ptr,
+    c_ptr,
+    M,
+    eps,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Prologue: residual add + RMSNorm of the M rows, per program (K is the whole row).
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xmask = (rm[:, None] < M) & (rk < K)[None, :]
+        xoffs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        x = tl.load(a_ptr + xoffs, mask=xmask, other=0.0).to(tl.float32)
+        x = x + tl.load(res_ptr + xoffs, mask=xmask, other=0.0).to(tl.float32)
+        x = x.to(tl.bfloat16).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+    rstd = tl.rsqrt(sq / K + eps)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        xoffs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        a = tl.load(a_ptr + xoffs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0).to(tl.float32)
+        a = a + tl.load(res_ptr + xoffs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0).to(tl.float32)
+        a = a.to(tl.bfloat16).to(tl.float32)
+        a = a * rstd[:, None]
+        a = a.to(tl.bfloat16).to(tl.float32)  # HF casts back to the input dtype before the weight
+        nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+        a = a * nw[None, :]
+        a = a.to(tl.bfloat16).to(tl.float32)  # the norm's output dtype, as the GEMM would read it
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+
+    y = acc
+    cmask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(c_ptr + offs, y, mask=cmask)
