@@ -119,7 +119,7 @@ def _planned(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.d
                                             "weight_quantization": "none"})
 
 
-def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_rule: int = 0) -> Any:
+def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_rule: int = 0, dot_rule: int = 0) -> Any:
     """The generated program of ``result`` under the given GEMM rules, written to ``out`` and loaded eager
     (no CUDA graphs of its own: the benchmarks capture what they time)."""
     from portlayer.backends.generate import generate
@@ -127,13 +127,13 @@ def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_ru
     from portlayer.codegen.program import write_program
 
     write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
-                           gemv_max_tokens=gemv_rule), out)
+                           gemv_max_tokens=gemv_rule, gemv_dot_max_tokens=dot_rule), out)
     return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
 
 
 def _program(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.dtype, dev: torch.device, out: Path,
-             gemm_rule: int, gemv_rule: int) -> Any:
-    return _load(_planned(pipeline, graph, desc, dtype), dev, out, gemm_rule, gemv_rule)
+             gemm_rule: int, gemv_rule: int, dot_rule: int = 0) -> Any:
+    return _load(_planned(pipeline, graph, desc, dtype), dev, out, gemm_rule, gemv_rule, dot_rule)
 
 
 #: chain lengths whose eager steps give the per-kernel host cost as a slope
@@ -177,8 +177,8 @@ def _path_times(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtyp
     chain = _planned(pipeline, chained_linears(k, r, dtype), desc, dtype)
     times: dict[str, dict[int, float]] = {}
     modes = set()
-    for name, gemm_rule, gemv_rule, ms in paths:
-        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule)  # loaded outside inference mode
+    for name, gemm_rule, gemv_rule, dot_rule, ms in paths:
+        prog = _load(chain, dev, Path(tmp) / f"{name}-{k}", gemm_rule, gemv_rule, dot_rule)  # outside inference mode
         times[name] = {}
         with torch.inference_mode():
             for m in ms:
@@ -198,8 +198,10 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         return {}
     dtype = torch.bfloat16 if "bf16" in desc.raw["throughput_tflops"] else torch.float16
     gemv_ms = [m for m in sizes.gemm_ms if m <= GEMV_MAX_ROWS]
-    paths = (("triton", ALWAYS_TRITON, 0, sizes.gemm_ms), ("vendor", 0, 0, sizes.gemm_ms),
-             ("gemv", 0, GEMV_MAX_ROWS, gemv_ms))  # fmt: skip
+    dot_ms = [m for m in gemv_ms if m > 1]
+    paths = (("triton", ALWAYS_TRITON, 0, 0, sizes.gemm_ms), ("vendor", 0, 0, 0, sizes.gemm_ms),
+             ("gemv", 0, GEMV_MAX_ROWS, 0, gemv_ms),  # the CUDA-core few-rows kernel at every M
+             ("gemv_dot", 0, 1, GEMV_MAX_ROWS, dot_ms))  # its tensor-core tier above one row  # fmt: skip
     small_k = max(64, sizes.gemm_k // 4)  # 1024 at K = 4096: a small decoder's projections
     with tempfile.TemporaryDirectory(prefix="portlayer-crossover-") as tmp:
         times, modes = _path_times(pipeline, dev, desc, dtype, sizes.gemm_k, paths, sizes.iters, tmp)
@@ -208,16 +210,22 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         small, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
         host, per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
-               **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
+               **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {}),
+               **({"gemv_dot_us": sig(times["gemv_dot"][m])} if m in times["gemv_dot"] else {})}
+              for m in sizes.gemm_ms]  # fmt: skip
     points_small = [{"m": m, "triton_us": sig(small["triton"][m]),
-                     **({"gemv_us": sig(small["gemv"][m])} if m in small["gemv"] else {})} for m in sizes.gemm_ms]  # fmt: skip
+                     **({"gemv_us": sig(small["gemv"][m])} if m in small["gemv"] else {}),
+                     **({"gemv_dot_us": sig(small["gemv_dot"][m])} if m in small["gemv_dot"] else {})}
+                    for m in sizes.gemm_ms]  # fmt: skip
     cross = crossover(points)
     gemv = crossover([{"m": p["m"], "triton_us": p["gemv_us"], "vendor_us": min(p["vendor_us"], p["triton_us"])}
                       for p in points if "gemv_us" in p])  # fmt: skip
-    progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv us: "
-                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}" for p in points)
-                  + f"; at K=N={small_k} triton/gemv us: "
-                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}" for p in points_small)
+    progress.done(f"Triton GEMM wins up to M={cross}, few-rows kernel up to M={gemv} (triton/vendor/gemv/gemv_dot us: "
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p['vendor_us']:g}/{p.get('gemv_us', '-')}/{p.get('gemv_dot_us', '-')}"
+                              for p in points)
+                  + f"; at K=N={small_k} triton/gemv/gemv_dot us: "
+                  + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}/{p.get('gemv_dot_us', '-')}"
+                              for p in points_small)
                   + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
                   f"each further kernel {per_kernel:.3g} us")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,

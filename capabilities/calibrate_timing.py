@@ -58,7 +58,7 @@ CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launc
                  reps=11, budget_s=0.3, rounds=3, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                  attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
 GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
-                  reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 32, 128, 512, 2048),
+                  reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 16, 64, 128, 512, 2048),
                   attn_points=((1, 128), (1, 1024), (16, 1024), (64, 128), (64, 1024)),
                   attn_heads=(16, 8, 128), cold_bytes=512 * 2**20)  # fmt: skip
 GPU_FULL = Sizes(copy_bytes=2 * 2**30, matmul_n=8192, iters=30, warmup=5, launches=5000, max_seconds_per_dtype=6.0,

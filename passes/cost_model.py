@@ -200,7 +200,9 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             path = _gemm_path(descriptor, rec, gemms[0][0], torch_family, biggest)
             if path == "gemv":  # one few-rows launch reads every linear's weight (siblings / joint: N side by side)
                 m, k, _ = gemms[0]
-                dev_us = curves.gemm_us(m, k, sum(g[2] for g in gemms), flops=flops, nbytes=nbytes, dtype=dtype, path=path)
+                # above gemv_max_tokens the tensor-core tier runs: its own calibrated timings where measured
+                tier = "gemv_dot" if m > int((descriptor.get("tuning") or {}).get("gemv_max_tokens", 0)) else "gemv"
+                dev_us = curves.gemm_us(m, k, sum(g[2] for g in gemms), flops=flops, nbytes=nbytes, dtype=dtype, path=tier)
             else:  # each linear is its own GEMM launch (codegen/kernels/gemm_group.py above the rows rule)
                 kn = sum(g[1] * g[2] for g in gemms)
                 times = [curves.gemm_us(*g, flops=flops * g[1] * g[2] / kn, nbytes=nbytes * g[1] * g[2] / kn,

@@ -110,9 +110,9 @@ class Curves:
                  for k, rows in (cal.get("gemm_curves_small") or {}).items() if rows}  # fmt: skip
         cross = cal.get("gemm_crossover") or {}
         paths = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points", ()) if f"{path}_us" in p)
-                 for path in ("triton", "gemv", "vendor")}  # fmt: skip
+                 for path in ("triton", "gemv", "gemv_dot", "vendor")}  # fmt: skip
         paths_small = {path: tuple((int(p["m"]), float(p[f"{path}_us"])) for p in cross.get("points_small", ())
-                                   if f"{path}_us" in p) for path in ("triton", "gemv")}  # fmt: skip
+                                   if f"{path}_us" in p) for path in ("triton", "gemv", "gemv_dot")}  # fmt: skip
         launch = cal.get("launch_us") or {}
         attn = cal.get("attention") or {}
         gen = cal.get("attention_generated") or {}
@@ -184,12 +184,16 @@ class Curves:
     def gemm_us(self, m: int, k: int, n: int, flops: float, nbytes: float, dtype: str, path: str = "vendor") -> float:
         """One GEMM of M rows by a [N, K] weight: the calibrated small-M curve scaled by K*N, or the peaks.
 
-        ``path`` triton / gemv: the generated kernels' crossover timings where calibration measured them."""
+        ``path`` triton / gemv / gemv_dot: the generated kernels' crossover timings where calibration measured
+        them (gemv_dot, the few-rows kernels' tensor-core tier: the CUDA-core timings where it was not measured)."""
         floor = nbytes / (self.read_gbps() * 1e3)  # a GEMM reads its weight: no faster than the best read
-        measured = (self.crossover or {}).get(path) if path != "vendor" else None
+        cross, cross_small = self.crossover or {}, self.crossover_small or {}
+        if path == "gemv_dot" and "gemv_dot" not in cross:
+            path = "gemv"
+        measured = cross.get(path) if path != "vendor" else None
         if measured and self.crossover_k:
             at = _at(measured, m)
-            small = (self.crossover_small or {}).get(path)
+            small = cross_small.get(path)
             if small and self.crossover_small_k and m <= small[-1][0]:  # two sizes: fixed + proportional to K*N
                 return max(_fixed_plus_proportional(at, _at(small, m), self.crossover_k, self.crossover_small_k, k * n),
                            floor)

@@ -219,8 +219,8 @@ def test_the_eager_host_cost_is_the_line_through_each_chain_lengths_best_step():
 
 def test_the_crossover_chain_is_r_distinct_linears_past_the_caches_and_computes_their_product(tmp_path):
     """The GEMM crossover times a chain of K x K linears whose weights together pass the largest caches (one
-    33.5 MB weight timed alone stays in a 50 MB L2); under the Triton interpreter, as the few-rows path and the
-    Triton GEMM path generate it, the chain equals torch's matmuls in float32."""
+    33.5 MB weight timed alone stays in a 50 MB L2); under the Triton interpreter, as the few-rows path (CUDA-core
+    and tensor-core tiers) and the Triton GEMM path generate it, the chain equals torch's matmuls in float32."""
     import torch
 
     from portlayer.backends.calibration_runner import CHAIN_MIN_BYTES, _program, chain_length, chained_linears
@@ -238,9 +238,9 @@ def test_the_crossover_chain_is_r_distinct_linears_past_the_caches_and_computes_
     want = x
     for w in ws:
         want = want @ w.T
-    for name, gemm_rule, gemv_rule in (("gemv", 0, 64), ("triton", 1 << 30, 0)):
+    for name, gemm_rule, gemv_rule, dot_rule in (("gemv", 0, 64, 0), ("gemv_dot", 0, 1, 64), ("triton", 1 << 30, 0, 0)):
         prog = _program(run_pipeline, graph, load_descriptor("nvidia-h200"), torch.float32, torch.device("cpu"),
-                        tmp_path / name, gemm_rule, gemv_rule)
+                        tmp_path / name, gemm_rule, gemv_rule, dot_rule)
         from portlayer.flatten.op_defs.attention import AttentionMetadata
 
         got = prog.run({"x": x}, AttentionMetadata.single(5, device=torch.device("cpu")), None)[0]

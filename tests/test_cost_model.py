@@ -227,6 +227,29 @@ def test_generated_gemv_timed_at_two_sizes_is_a_fixed_cost_plus_a_part_growing_w
     assert t(1, 1024, 2048) == pytest.approx(max(12.0 * 1024 * 2048 / 4096**2, 2 * 1024 * 2048 / 4000e3))
 
 
+def test_rows_in_the_tensor_core_tier_are_priced_from_its_own_calibrated_timings(gpu):
+    """Above tuning.gemv_max_tokens the few-rows groups run their tensor-core tier: a decode step at those rows is
+    priced from calibration's gemv_dot timings (the CUDA-core kernel's grow with the rows), and from the CUDA-core
+    ones where the tier was not timed; at one row the CUDA-core timings price it either way."""
+    raw = synthetic("nvidia-h200", bandwidth=4000.0)
+    raw["tuning"] = {**raw.get("tuning", {}), "gemv_max_tokens": 1, "gemv_dot_max_tokens": 16}
+    # large times: the tiny decoder's weights are a small part of K = N = 4096, and the timings scale with K*N
+    pts = [{"m": m, "triton_us": 5e7, "vendor_us": 2e7, "gemv_us": 1e7 * m, "gemv_dot_us": 5e6} for m in (1, 8, 16)]
+    raw["calibration"] = {"gemm_crossover": {"k": 4096, "points": pts}}
+    c = Curves.from_descriptor(raw)
+    t = lambda path: c.gemm_us(8, 4096, 4096, flops=0, nbytes=0, dtype="bfloat16", path=path)  # noqa: E731
+    assert t("gemv_dot") == pytest.approx(5e6) and t("gemv") == pytest.approx(8e7)
+    no_dot = copy.deepcopy(raw)
+    for q in no_dot["calibration"]["gemm_crossover"]["points"]:
+        del q["gemv_dot_us"]
+    assert Curves.from_descriptor(no_dot).gemm_us(8, 4096, 4096, flops=0, nbytes=0, dtype="bfloat16",
+                                                  path="gemv_dot") == pytest.approx(8e7)
+    gemm_us = lambda d, b: sum(g.us for g in predict(gpu.graph, gpu.plan, d, "decode", b, 32).groups  # noqa: E731
+                               if g.family == "gemm")
+    assert gemm_us(raw, 8) < gemm_us(no_dot, 8)
+    assert gemm_us(raw, 1) == pytest.approx(gemm_us(no_dot, 1))
+
+
 def test_a_gemms_floor_is_its_weight_read_at_the_sweeps_read_rate_past_the_caches():
     """A GEMM's floor is its weight read at the sweep's read rate at its largest working set (a sum: only
     reads), not the copy rate (reads + writes) and not a cache's read rate at a small working set."""
