@@ -311,10 +311,15 @@ def test_predicted_launches_are_the_generated_programs_at_one_and_many_rows(tmp_
     SiLU*up epilogue inside; at 2 rows its tensor-core tier (tuning.gemv_dot_max_tokens) makes the same launches;
     past the tier each linear is its own vendor GEMM and the norm and epilogue their own kernels
     (codegen/kernels/gemm_group.py). The model's launch count equals the program's, counted by running it."""
+    import json
+
     raw = copy.deepcopy(dict(load_descriptor("nvidia-h200").raw))
-    tier = int(raw["tuning"]["gemv_dot_max_tokens"])
+    tier = raw["tuning"]["gemv_dot_max_tokens"] = 16  # the shipped H200 has the tier off (measured): turned on here
+    raw["name"] = "nvidia-h200-tier"
     assert raw["tuning"]["gemv_max_tokens"] == 1 < 2 <= tier and raw["tuning"]["triton_gemm_max_tokens"] == 0
-    fp32 = run_pipeline(tiny_decoder(tied=False), "nvidia-h200", overrides={"compute_dtype": "float32"})  # interpretable
+    (tmp_path / "tier.json").write_text(json.dumps(raw))
+    desc = load_descriptor(tmp_path / "tier.json")
+    fp32 = run_pipeline(tiny_decoder(tied=False), desc, overrides={"compute_dtype": "float32"})  # interpretable
     for batch in (1, 2, tier + 1):  # the CUDA-core rule (1), the tensor-core tier, past it
         predicted = predict(fp32.graph, fp32.plan, raw, "decode", batch=batch, context=16).launches
         assert predicted == _program_launches(fp32, batch, tmp_path / f"b{batch}"), batch

@@ -1,6 +1,6 @@
 """A tiny HF Qwen3 (q/k norms, GQA) compiled for a descriptor with the few-rows tensor-core tier, under TRITON_INTERPRET=1.
 
-The descriptor is nvidia-h200's with 4 SMs and tuning.gemv_dot_max_tokens = 16 (the shipped value), so the three
+The descriptor is nvidia-h200's with 4 SMs and tuning.gemv_dot_max_tokens = 16 (the shipped H200 has the tier off, as measured: docs/performance.md), so the three
 decode batches take the three GEMM paths: 1 row the CUDA-core few-rows kernels, 4 rows their tensor-core tier, 20
 rows the norm kernels and vendor GEMMs. The decode step's logits of every sequence are checked against HF's forward
 of the same tokens, and the kernels the step launches are counted: the tier's step launches exactly the 1-row
@@ -25,7 +25,7 @@ VOCAB = 96
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(hidden_size=48, intermediate_size=72, num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-}  # Llama's decode at batch 3 takes the tier too: tests/test_decode_fusion.py (greedy tokens against HF generate)
+}  # one architecture: the tier's kernels are the few-rows kernels' (test_gemv_dot.py checks each form against torch)
 
 
 def _model(arch: str):
