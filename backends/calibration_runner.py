@@ -91,7 +91,7 @@ def _device_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, 
 
 
 def _host_us(prog: Any, feeds: dict[str, torch.Tensor], device: torch.device, iters: int) -> float:
-    """Microseconds per eager step of a one-kernel program: what launching a generated kernel costs the host."""
+    """Microseconds per eager step of a program (a chain of 1-8 generated kernels): what launching them costs the host."""
     md = AttentionMetadata.single(int(feeds["x"].shape[0]), device=device)
     for _ in range(3):
         prog.run(feeds, md, None)

@@ -229,7 +229,8 @@ def _write_weights(entries: Any, out: Path, on_tensor: Callable[[str], None] | N
 class WeightsWrite:
     """weights.safetensors of ``graph`` written into ``directory`` by a helper thread, so a compile's codegen
     runs while its weights (the bulk of the artifact) go to the disk. ``join`` waits and re-raises what the
-    write raised; ``cancel`` stops it at the next tensor (a failed compile does not wait for the rest)."""
+    write raised; ``cancel`` stops it within its in-flight window (the tensors already handed to the writer
+    threads finish; a failed compile does not wait for the rest)."""
 
     def __init__(self, graph: Graph, directory: str | os.PathLike) -> None:
         import threading
@@ -259,6 +260,11 @@ class WeightsWrite:
 
         self._thread = threading.Thread(target=run, name="portlayer-weights-write", daemon=True)
         self._thread.start()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the write's error now if it already failed (without waiting for a running write)."""
+        if self._error is not None and not self._thread.is_alive():
+            raise self._error
 
     def join(self) -> None:
         self._thread.join()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,6 +161,7 @@ WHOLE_HASH_MAX_BYTES = 256 << 20
 #: files written by write_tensors: (st_dev, st_ino, st_size, st_mtime_ns) -> their sha256s (written_hashes)
 _WRITTEN: dict[tuple[int, int, int, int], dict[str, Any]] = {}
 _WRITTEN_MAX = 256
+_WRITTEN_LOCK = threading.Lock()  # writers run in helper threads (serialize.WeightsWrite)
 
 
 def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metadata: Mapping[str, str] | None = None,
@@ -228,9 +230,10 @@ def write_tensors(path: str | os.PathLike[str], entries: Iterable[Entry], metada
         hasher.close()
     st = os.stat(path)
     if st.st_size == at:
-        if len(_WRITTEN) >= _WRITTEN_MAX:
-            _WRITTEN.pop(next(iter(_WRITTEN)))
-        _WRITTEN[_stat_key(st)] = hasher.result()
+        with _WRITTEN_LOCK:
+            if len(_WRITTEN) >= _WRITTEN_MAX:
+                _WRITTEN.pop(next(iter(_WRITTEN)))
+            _WRITTEN[_stat_key(st)] = hasher.result()
     return at
 
 
@@ -242,7 +245,8 @@ def written_hashes(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         st = os.stat(path)
     except OSError:
         return None
-    got = _WRITTEN.get(_stat_key(st))
+    with _WRITTEN_LOCK:
+        got = _WRITTEN.get(_stat_key(st))
     return None if got is None else {**got, "chunks_sha256": list(got["chunks_sha256"])}
 
 

@@ -139,18 +139,28 @@ def remember_capture(graph: Graph, model_sha: str, verify: bool, say: Callable[[
 
 def capture_while_hashing(pending: Any, verify: bool, stages: Stages) -> Any:
     """Capture a PendingSource's directory while its digest is computed (portlayer/model_source.py);
-    returns the resolved ModelSource holding the graph. ``timings["source_wait"]``: what the digest
-    took beyond the capture."""
+    returns the resolved ModelSource holding the graph (kept in the capture cache by build_artifact, on a
+    miss only). ``timings["source_wait"]``: what the digest took beyond the capture. A capture that fails
+    while the digest already failed on a user error (a file changed while it was read) reports the digest's."""
+    from portlayer.errors import PortlayerError
     from portlayer.flatten import capture
 
     with stages.stage("capture") as say:
         say("the model digest is computed beside it")
-        graph = capture(pending.path, progress=say, verify=verify)
+        try:
+            graph = capture(pending.path, progress=say, verify=verify)
+        except Exception as e:
+            try:  # a digest that is about to fail on the same file: a second is enough to hear it
+                why = pending.digest.exception(timeout=1.0)
+            except TimeoutError:
+                why = None
+            if isinstance(why, PortlayerError):
+                raise why from e
+            raise
         t0 = time.perf_counter()
         src = pending.resolve(graph)
         stages.timings["source_wait"] = round(time.perf_counter() - t0, 3)
         src.captured_beside_digest = True
-        remember_capture(graph, src.sha256, verify, say)
     return src
 
 
@@ -325,7 +335,8 @@ def _captured(src: Any, options: dict[str, Any], stages: Stages) -> Graph:
     from portlayer.flatten import capture
     from portlayer.flatten.logits import select_logit_rows
 
-    if src.captured_beside_digest:  # its capture stage ran already (capture_while_hashing)
+    if src.captured_beside_digest:  # its capture stage ran already (capture_while_hashing); a miss: keep it
+        remember_capture(src.obj, src.sha256, options.get("verify", True), lambda _msg: None)
         return select_logit_rows(src.obj)
     with stages.stage("capture") as say:
         if isinstance(src.obj, Graph):
@@ -368,12 +379,14 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
     seed = 0
     reference = _start_reference(result.graph if lossy else graph, block_size, seed, stages)
     with A.ArtifactWriter(final) as w:
-        weights = WeightsWrite(result.graph, w.dir)  # the weights go to the disk while codegen runs
+        weights = None
         try:
+            weights = WeightsWrite(result.graph, w.dir)  # the weights go to the disk while codegen runs
             with stages.stage("codegen") as say:
                 say(f"backend for {desc.device_type}")
                 files, backend, codegen_how = codegen(result, w.dir)
                 binaries = build_binaries(result.descriptor, w.dir, options, say) if files else []
+            weights.raise_if_failed()  # a full disk says so now, not after the validation set
             with stages.stage("write") as say:
                 say(str(final))
                 save_graph(result.graph, w.dir, weights=False)  # graph.json; weights.safetensors: WeightsWrite
@@ -414,7 +427,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                     manifest["quality_gate"] = gate_doc
                 return w.commit(manifest)
         except BaseException:
-            weights.cancel()  # stops at the next tensor: a failed compile does not wait for the rest
+            if weights is not None:  # stops within its in-flight window: a failed compile does not wait for the rest
+                weights.cancel()
             raise
 
 

@@ -50,8 +50,8 @@ class PendingSource:
         return ModelSource(self.spec, self.path, self.digest.result(), graph)
 
 
-def model_source(model: Any, overlap: bool = True) -> ModelSource | PendingSource:
-    """The source and its digest; a PendingSource when ``overlap`` and an HF directory has at least
+def model_source(model: Any) -> ModelSource | PendingSource:
+    """The source and its digest; a PendingSource when an HF directory has at least
     OVERLAP_MIN_BYTES of files whose digest is not memoised (the digest then runs in a helper thread)."""
     import torch
 
@@ -94,15 +94,16 @@ def model_source(model: Any, overlap: bool = True) -> ModelSource | PendingSourc
         raise CompileError(f"model {str(model)!r} resolved to {path}, which is not a directory; pass an HF model directory")
     from portlayer.runtime.cache import needs_hashing
 
-    todo = needs_hashing(path) if overlap else 0
+    todo = needs_hashing(path)
     if todo and todo >= OVERLAP_MIN_BYTES:
         return PendingSource(str(model), path, _in_thread(model_dir_hash, path))
     return ModelSource(str(model), path, model_dir_hash(path))
 
 
 def _in_thread(fn: Callable[[Path], str], path: Path) -> Future[str]:
-    """``fn(path)`` in a daemon thread: a capture that fails raises at once, never waiting for the hash
-    (which then finishes alone and memoises the digest for the next compile)."""
+    """``fn(path)`` in a daemon thread: a capture that fails raises at once, not after the hash (which goes
+    on and memoises the digest for the next compile; a process that exits meanwhile still waits for the
+    hashing pool's queued chunks: seconds for a big checkpoint)."""
     done: Future[str] = Future()
 
     def run() -> None:

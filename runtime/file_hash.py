@@ -11,7 +11,6 @@ order), never a serial whole-file pass; check one by hand with ``split -b 64M`` 
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import Any
 #: files at least this big get per-chunk hashes
 CHUNKED_MIN_BYTES = 256 << 20
 CHUNK_BYTES = 64 << 20
-_BLOCK = 64 << 20  # one hashlib.update (GIL released throughout) per window
+_BLOCK = 16 << 20  # one read and one hashlib.update (each releasing the GIL) per window
 
 
 def _threads() -> int:
@@ -31,26 +30,25 @@ def _threads() -> int:
 
 
 def _hash_range(path: Path, start: int, size: int) -> str:
-    """sha256 of ``size`` bytes at ``start``, hashed from a memory map in _BLOCK windows: hashlib releases
-    the GIL for the whole window (and the page faults happen inside it), so a busy Python thread beside it
-    (the capture, the load) costs one GIL hand-over per window, not per small read (a file read by 8 MiB
-    reads ran ~2.6x slower beside a busy thread here, the map ~1.8x). The file is mapped whole, read only;
-    the loader and the capture map the same files (a file truncated meanwhile faults them all alike)."""
+    """sha256 of ``size`` bytes at ``start``, read in _BLOCK windows into one reused buffer: hashlib and the
+    read release the GIL for a whole window, so a busy Python thread beside the hash (the capture, the load)
+    costs two GIL hand-overs per window; a fresh bytes object per small read (the old 8 MiB reads) also faulted
+    in new memory every time. Plain reads, never a memory map: a file truncated meanwhile gives a short read
+    (the caller's mismatch or ModelChangedError), not a bus error."""
     h = hashlib.sha256()
     if size <= 0:
         return h.hexdigest()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size <= start:  # nothing there (an empty file cannot be mapped)
-            return h.hexdigest()
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    with m:
-        end = min(start + size, len(m))
-        view = memoryview(m)
-        try:
-            for s in range(start, end, _BLOCK):
-                h.update(view[s:min(s + _BLOCK, end)])
-        finally:
-            view.release()
+    buf = bytearray(min(_BLOCK, size))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        left = size
+        while left > 0:
+            n = f.readinto(view[:min(_BLOCK, left)])
+            if not n:
+                break
+            h.update(view[:n])
+            left -= n
     return h.hexdigest()
 
 

@@ -316,3 +316,29 @@ def test_weights_written_beside_codegen_stop_when_codegen_fails(tiny_dirs, tmp_p
         portlayer.compile(str(tiny_dirs["tiny-llama"]), target="cpu-x86_64", output=str(out), progress=False)
     assert not any(t.name == "portlayer-weights-write" and t.is_alive() for t in threading.enumerate())
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".art")]
+
+
+def test_a_capture_failing_after_the_digest_saw_a_changed_file_reports_the_change(tiny_dirs, tmp_path, monkeypatch):
+    """The digest beside the capture found a file that changed while it was read; the capture then trips over the
+    same half-written file: the user sees the digest's "changed while it was being hashed", not the capture's error."""
+    import threading
+
+    import portlayer
+    from portlayer import flatten, model_source
+
+    failed = threading.Event()
+
+    def changed(path: Path) -> str:
+        failed.set()
+        raise cache.ModelChangedError(f"{path}: changed while it was being hashed; compile again once it is complete")
+
+    def broken_capture(*_a, **_k):
+        failed.wait(30)
+        raise RuntimeError("safetensors: header truncated")
+
+    monkeypatch.setenv("PORTLAYER_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(model_source, "OVERLAP_MIN_BYTES", 0)
+    monkeypatch.setattr(cache, "model_dir_hash", changed)
+    monkeypatch.setattr(flatten, "capture", broken_capture)
+    with pytest.raises(cache.ModelChangedError, match="changed while it was being hashed"):
+        portlayer.compile(str(tiny_dirs["tiny-llama"]), target="cpu-x86_64", progress=False)
