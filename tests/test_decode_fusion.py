@@ -10,15 +10,13 @@ in one launch each) and at batch 3 (above tuning.gemv_max_tokens: the norm kerne
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from triton_harness import h200_few_sms, tiny_causal_lm
 
 import portlayer
-from portlayer import capabilities
 from portlayer.codegen import kernel_binaries as KB
 
 pytestmark = pytest.mark.interpreter
@@ -40,31 +38,6 @@ VOCAB = 96
 PROMPTS = [[5, 17, 42, 90, 3], [7, 8, 9], [60, 1, 64, 33]]
 
 
-def _model(arch: str, layers: int):
-    import transformers
-
-    cfg_name, model_name, kw = ARCHS[arch]
-    kw = {"vocab_size": VOCAB, "max_position_embeddings": 512, "tie_word_embeddings": False, **kw}
-    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, **kw)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(cfg).eval()
-    for p in model.parameters():  # spread the norm weights so a skipped norm weight shows
-        if p.dim() == 1:
-            p.data.uniform_(0.5, 1.5)
-    return model
-
-
-def _few_cus(root: Path) -> Path:
-    """nvidia-h200's descriptor with 4 SMs: the few-rows kernels then take 16 columns a program
-    (launch.gemv PROGRAMS = 2 x SMs), so the interpreter runs 8x fewer programs; the program's
-    kernels and launches are the same (test_the_h200_program_launches_the_same_kernels)."""
-    d = json.loads((Path(capabilities.__file__).parent / "devices" / "nvidia-h200.json").read_text())
-    d["compute_units"]["count"] = 4
-    path = root / "nvidia-h200-4sm.json"
-    path.write_text(json.dumps(d))
-    return path
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF model, float32 artifact for nvidia-h200 with 4 SMs, its source dir) per (arch, layers)."""
@@ -72,9 +45,10 @@ def built(tmp_path_factory):
 
     out = {}
     root = tmp_path_factory.mktemp("decode-fusion")
-    target = _few_cus(root)
+    target = h200_few_sms(root)  # 4 SMs: the same kernels (test_the_h200_program_launches_the_same_kernels)
     for arch, layers in [("llama", 2), ("llama", 3), ("qwen3", 2), ("qwen3", 3), ("qwen2", 2), ("phi3", 2)]:
-        model = _model(arch, layers)
+        cfg_name, model_name, kw = ARCHS[arch]
+        model = tiny_causal_lm(cfg_name, model_name, VOCAB, layers, **kw)
         src = root / f"{arch}-{layers}"
         model.save_pretrained(str(src))
         write_byte_tokenizer(src, vocab_size=VOCAB)

@@ -13,16 +13,14 @@ match HF logits at decode batch 1, 4 and 20, and the tier's step launches the sa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_quant_fused_decode import _build as quant_group
-from triton_harness import build_program, record_launches, rel_err, use_interpreter
+from triton_harness import build_program, h200_few_sms, record_launches, rel_err, use_interpreter
 
-from portlayer import capabilities
 from portlayer.codegen.host_support import gemv_blocks
 from portlayer.flatten.ir import GraphBuilder, TensorType
 
@@ -40,14 +38,7 @@ def _interp(monkeypatch):
 
 def tier_target(root: Path, dot: int, gemv: int = 1) -> Path:
     """nvidia-h200's descriptor with 4 SMs (fewer interpreted programs) and the tier up to ``dot`` rows."""
-    d = json.loads((Path(capabilities.__file__).parent / "devices" / "nvidia-h200.json").read_text())
-    d["compute_units"]["count"] = 4
-    d["tuning"].update(gemv_dot_max_tokens=dot, gemv_max_tokens=gemv)
-    d["sources"]["tuning.gemv_dot_max_tokens"] = "test descriptor: the tier forced on for the interpreter tests"
-    d["sources"]["tuning.gemv_max_tokens"] = "test descriptor"
-    path = root / f"nvidia-h200-dot{dot}-gemv{gemv}.json"
-    path.write_text(json.dumps(d))
-    return path
+    return h200_few_sms(root, f"nvidia-h200-dot{dot}-gemv{gemv}", gemv_dot_max_tokens=dot, gemv_max_tokens=gemv)
 
 
 def _form(kind: str, dtype: torch.dtype):

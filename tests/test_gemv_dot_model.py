@@ -11,12 +11,10 @@ a norm kernel per norm.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from test_gemv_dot import tier_target
-from triton_harness import record_launches, rel_err
+from triton_harness import interpreted_decode_step, rel_err, tiny_causal_lm
 
 import portlayer
 
@@ -28,26 +26,13 @@ ARCHS = {
 }  # one architecture: the tier's kernels are the few-rows kernels' (test_gemv_dot.py checks each form against torch)
 
 
-def _model(arch: str):
-    import transformers
-
-    cfg_name, model_name, kw = ARCHS[arch]
-    cfg = getattr(transformers, cfg_name)(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=512,
-                                          tie_word_embeddings=False, **kw)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(cfg).eval()
-    for p in model.parameters():  # spread the norm weights so a skipped norm weight shows
-        if p.dim() == 1:
-            p.data.uniform_(0.5, 1.5)
-    return model
-
-
 @pytest.fixture(scope="module", params=list(ARCHS))
 def built(request, tmp_path_factory):
     from portlayer.flatten.tokenizer import write_byte_tokenizer
 
     root = tmp_path_factory.mktemp(f"gemv-dot-{request.param}")
-    model = _model(request.param)
+    cfg_name, model_name, kw = ARCHS[request.param]
+    model = tiny_causal_lm(cfg_name, model_name, VOCAB, **kw)
     src = root / "model"
     model.save_pretrained(str(src))
     write_byte_tokenizer(src, vocab_size=VOCAB)
@@ -55,34 +40,6 @@ def built(request, tmp_path_factory):
     portlayer.compile(str(src), target=str(tier_target(root, 16)), dtype="float32", output=art, progress=False,
                       sources_only=True, verify=False)
     return model, art
-
-
-def _decode(art: Path, prompts: list[list[int]], nxt: list[int], monkeypatch) -> tuple[torch.Tensor, list[str]]:
-    """Logits of one decode step of len(prompts) sequences after their prefill, and the kernels it launched."""
-    from portlayer.flatten.logits import feed_last_rows
-    from portlayer.loaded import open_artifact
-    from portlayer.runtime.validation import new_kv_cache, step_metadata
-
-    launches: list[str] = []
-    record_launches(monkeypatch, launches)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    loaded = open_artifact(art, interpret=True)
-    exe, graph = loaded.executable(), loaded.graph
-    names = [v.name for v in graph.inputs]
-    longest = max(len(p) for p in prompts) + 1
-    caches = new_kv_cache(graph, len(prompts), longest, 16, torch.float32, "cpu")
-    lens = [len(p) for p in prompts]
-    steps = [([t for p in prompts for t in p], lens, [0] * len(prompts),
-              [i for n in lens for i in range(n)]),
-             (nxt, [1] * len(prompts), lens, lens)]
-    with torch.inference_mode():
-        for ids, step_lens, ctx, pos in steps:
-            md = step_metadata(step_lens, ctx, block_size=16, max_len=longest, device="cpu")
-            feeds = {"input_ids": torch.tensor(ids), "positions": torch.tensor(pos)}
-            feed_last_rows(feeds, names, md)
-            launches.clear()
-            logits = exe.run(feeds, md, caches)[0]
-    return logits.float(), list(launches)
 
 
 def test_decode_logits_match_hf_at_each_tier_and_the_tier_keeps_the_fusions(built, monkeypatch):
@@ -93,7 +50,7 @@ def test_decode_logits_match_hf_at_each_tier_and_the_tier_keeps_the_fusions(buil
         prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
                    for n in torch.randint(2, 5, (batch,), generator=g)]
         nxt = torch.randint(0, VOCAB, (batch,), generator=g).tolist()
-        ours, steps[batch] = _decode(art, prompts, nxt, monkeypatch)
+        ours, steps[batch] = interpreted_decode_step(art, prompts, nxt, monkeypatch)
         assert ours.shape == (batch, VOCAB), ours.shape
         with torch.inference_mode():
             for i, (p, t) in enumerate(zip(prompts, nxt)):

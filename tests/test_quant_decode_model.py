@@ -9,34 +9,19 @@ its kernel launches, counted by wrapping the program's loaded kernels, equal to 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from triton_harness import record_launches, rel_err
+from triton_harness import h200_few_sms, interpreted_decode_step, rel_err, tiny_causal_lm
 
 import portlayer
-from portlayer import capabilities
 
 pytestmark = pytest.mark.interpreter
 PROMPT = [5, 17, 42, 90, 3]
 VOCAB = 96
-
-
-def _model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).eval()
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.data.uniform_(0.5, 1.5)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +30,9 @@ def built(tmp_path_factory):
     from portlayer.flatten.tokenizer import write_byte_tokenizer
 
     root = tmp_path_factory.mktemp("quant-decode")
-    d = json.loads((Path(capabilities.__file__).parent / "devices" / "nvidia-h200.json").read_text())
-    d["compute_units"]["count"] = 4
-    target = root / "nvidia-h200-4sm.json"
-    target.write_text(json.dumps(d))
-    model = _model()
+    target = h200_few_sms(root)
+    model = tiny_causal_lm("Qwen3Config", "Qwen3ForCausalLM", VOCAB, hidden_size=64, intermediate_size=96,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     src = root / "qwen3"
     model.save_pretrained(str(src))
     write_byte_tokenizer(src, vocab_size=VOCAB)
@@ -63,28 +46,8 @@ def built(tmp_path_factory):
 
 def _decode(art: Path, monkeypatch) -> tuple[torch.Tensor, list[str]]:
     """Logits of the decode step after PROMPT (prefill, then one row), and the kernels that step launched."""
-    from portlayer.flatten.logits import feed_last_rows
-    from portlayer.loaded import open_artifact
-    from portlayer.runtime.validation import new_kv_cache, step_metadata
-
-    launches: list[str] = []
-
-    record_launches(monkeypatch, launches)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    loaded = open_artifact(art, interpret=True)
-    exe, graph = loaded.executable(), loaded.graph
-    names = [v.name for v in graph.inputs]
-    caches = new_kv_cache(graph, 1, len(PROMPT) + 2, 16, torch.float32, "cpu")
-    ids = PROMPT + [PROMPT[-1]]
-    steps = [(torch.tensor(PROMPT), 0), (torch.tensor(ids[-1:]), len(PROMPT))]
-    with torch.inference_mode():
-        for tok, ctx in steps:
-            md = step_metadata([len(tok)], [ctx], block_size=16, max_len=len(ids), device="cpu")
-            feeds = {"input_ids": tok, "positions": torch.arange(ctx, ctx + len(tok))}
-            feed_last_rows(feeds, names, md)
-            launches.clear()
-            logits = exe.run(feeds, md, caches)[0]
-    return logits[-1].float(), list(launches)
+    logits, launches = interpreted_decode_step(art, [PROMPT], [PROMPT[-1]], monkeypatch)
+    return logits[-1], launches
 
 
 def _dequantized_hf(model, art: Path):

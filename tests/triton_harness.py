@@ -130,3 +130,65 @@ def record_launches(monkeypatch: Any, launches: list[str]) -> None:
             return launch
 
     monkeypatch.setattr(KB, "bind", lambda fns, sources, device: {n: Recorder(n, f) for n, f in fns.items()})
+
+
+def h200_few_sms(root: Path, name: str = "nvidia-h200-4sm", **tuning: int) -> Path:
+    """nvidia-h200's descriptor with 4 SMs, written under ``root``: the few-rows kernels then take 16 columns a
+    program (launch.gemv PROGRAMS = 2 x SMs), so the interpreter runs 8x fewer programs with the same kernels.
+    ``tuning``: fields set for the test (their sources say so)."""
+    import json
+
+    from portlayer import capabilities
+
+    d = json.loads((Path(capabilities.__file__).parent / "devices" / "nvidia-h200.json").read_text())
+    d["compute_units"]["count"] = 4
+    d["tuning"].update(tuning)
+    d["sources"].update({f"tuning.{k}": "test descriptor: set for the interpreter tests" for k in tuning})
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def tiny_causal_lm(cfg_name: str, model_name: str, vocab: int, layers: int = 2, **kw: Any) -> Any:
+    """A random-weight HF causal LM (transformers' ``cfg_name`` / ``model_name``, seed 0; untied and 512 positions
+    unless ``kw`` says otherwise), its 1-D parameters (the norm weights) spread over [0.5, 1.5] so a skipped norm
+    weight shows in the logits."""
+    import transformers
+
+    kw = {"vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False, **kw}
+    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, **kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(cfg).eval()
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    return model
+
+
+def interpreted_decode_step(art: Path, prompts: list[list[int]], nxt: list[int], monkeypatch: Any
+                            ) -> tuple[torch.Tensor, list[str]]:
+    """Logits [len(prompts), vocab] of one decode step (token ``nxt[i]`` after prompt i, all prefilled in one step)
+    of a float32 GPU artifact run under the Triton interpreter, and the kernels that decode step launched."""
+    from portlayer.flatten.logits import feed_last_rows
+    from portlayer.loaded import open_artifact
+    from portlayer.runtime.validation import new_kv_cache, step_metadata
+
+    launches: list[str] = []
+    record_launches(monkeypatch, launches)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    loaded = open_artifact(art, interpret=True)
+    exe, graph = loaded.executable(), loaded.graph
+    names = [v.name for v in graph.inputs]
+    longest = max(len(p) for p in prompts) + 1
+    caches = new_kv_cache(graph, len(prompts), longest, 16, torch.float32, "cpu")
+    lens = [len(p) for p in prompts]
+    steps = [([t for p in prompts for t in p], lens, [0] * len(prompts), [i for n in lens for i in range(n)]),
+             (nxt, [1] * len(prompts), lens, lens)]
+    with torch.inference_mode():
+        for ids, step_lens, ctx, pos in steps:
+            md = step_metadata(step_lens, ctx, block_size=16, max_len=longest, device="cpu")
+            feeds = {"input_ids": torch.tensor(ids), "positions": torch.tensor(pos)}
+            feed_last_rows(feeds, names, md)
+            launches.clear()
+            logits = exe.run(feeds, md, caches)[0]
+    return logits.float(), list(launches)
