@@ -234,14 +234,15 @@ class WeightsWrite:
 
     def __init__(self, graph: Graph, directory: str | os.PathLike) -> None:
         import threading
+        import time
 
+        from portlayer.flatten.background import in_thread
         from portlayer.flatten.weights_stream import stream_entries
 
         entries, _ = stream_entries(graph.weights)
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
-        self._error: BaseException | None = None
         self.seconds = 0.0
 
         def stop_check(_name: str) -> None:
@@ -249,31 +250,25 @@ class WeightsWrite:
                 raise _Cancelled
 
         def run() -> None:
-            import time
-
             t0 = time.perf_counter()
             try:
                 _write_weights(entries, out, stop_check)
-            except BaseException as e:  # noqa: BLE001 - handed to join()
-                self._error = e
-            self.seconds = time.perf_counter() - t0
+            finally:
+                self.seconds = time.perf_counter() - t0
 
-        self._thread = threading.Thread(target=run, name="portlayer-weights-write", daemon=True)
-        self._thread.start()
+        self._done = in_thread(run, "portlayer-weights-write")
 
     def raise_if_failed(self) -> None:
         """Re-raise the write's error now if it already failed (without waiting for a running write)."""
-        if self._error is not None and not self._thread.is_alive():
-            raise self._error
+        if self._done.done():
+            self._done.result()
 
     def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._done.result()
 
     def cancel(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self._done.exception()  # waits; the error (a _Cancelled, say) is the caller's own failure's consequence
 
 
 class _Cancelled(Exception):

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -442,44 +443,42 @@ class _Reference:
     their float32 outputs are the same as the serial computation's: same graph, same ops, same seed."""
 
     def __init__(self, graph: Graph, block_size: int, seed: int, stages: Stages) -> None:
-        import threading
-
         import torch
 
+        from portlayer.flatten.background import in_thread
         from portlayer.runtime import validation as V
 
         grad = torch.is_grad_enabled()  # thread-local in torch: the helper runs as its caller would
-        self._cases: Any = None
-        self._error: BaseException | None = None
         self._stages = stages
 
-        def run() -> None:
+        def run() -> Any:
             t0 = time.perf_counter()
             try:
                 with torch.set_grad_enabled(grad):
-                    self._cases = V.compute_reference(graph, block_size, seed)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the compiling thread by result()
-                self._error = e
-            stages.timings["reference"] = round(time.perf_counter() - t0, 3)
+                    return V.compute_reference(graph, block_size, seed)
+            finally:
+                stages.timings["reference"] = round(time.perf_counter() - t0, 3)
 
-        if os.environ.get(SERIAL_REFERENCE_ENV) == "1":
+        self._serial = os.environ.get(SERIAL_REFERENCE_ENV) == "1"
+        if self._serial:  # computed now; an error is raised by result(), as from the thread
+            self._pending: Future[Any] = Future()
             with stages.stage("reference") as say:
                 say("validation set on the reference interpreter")
-                run()
-            self._thread = None
+                try:
+                    self._pending.set_result(run())
+                except BaseException as e:  # noqa: BLE001 - re-raised by result()
+                    self._pending.set_exception(e)
         else:
-            self._thread = threading.Thread(target=run, name="portlayer-reference", daemon=True)
-            self._thread.start()
+            self._pending = in_thread(run, "portlayer-reference")
 
     def result(self) -> Any:
-        if self._thread is not None:
-            t0 = time.perf_counter()
-            self._thread.join()
-            self._thread = None
+        if self._serial:
+            return self._pending.result()
+        t0 = time.perf_counter()
+        try:
+            return self._pending.result()  # re-raises what the reference raised
+        finally:
             self._stages.timings["reference_wait"] = round(time.perf_counter() - t0, 3)
-        if self._error is not None:
-            raise self._error
-        return self._cases
 
 
 def _start_reference(graph: Graph, block_size: int, seed: int, stages: Stages) -> _Reference:

@@ -11,8 +11,6 @@ the capture is then discarded, which costs its time but never a wrong answer.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,21 +94,9 @@ def model_source(model: Any) -> ModelSource | PendingSource:
 
     todo = needs_hashing(path)
     if todo and todo >= OVERLAP_MIN_BYTES:
-        return PendingSource(str(model), path, _in_thread(model_dir_hash, path))
+        from portlayer.flatten.background import in_thread
+
+        # a capture that fails raises at once, not after the hash (which goes on and memoises the digest for the
+        # next compile; a process that exits meanwhile still waits for the hashing pool's queued chunks)
+        return PendingSource(str(model), path, in_thread(lambda: model_dir_hash(path), "portlayer-model-hash"))
     return ModelSource(str(model), path, model_dir_hash(path))
-
-
-def _in_thread(fn: Callable[[Path], str], path: Path) -> Future[str]:
-    """``fn(path)`` in a daemon thread: a capture that fails raises at once, not after the hash (which goes
-    on and memoises the digest for the next compile; a process that exits meanwhile still waits for the
-    hashing pool's queued chunks: seconds for a big checkpoint)."""
-    done: Future[str] = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn(path))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the digest
-            done.set_exception(e)
-
-    threading.Thread(target=run, name="portlayer-model-hash", daemon=True).start()
-    return done
