@@ -26,6 +26,14 @@ _BLOCK = 16 << 20  # one read and one hashlib.update (each releasing the GIL) pe
 
 
 def _threads() -> int:
+    """Hashing threads: $PORTLAYER_HASH_THREADS, else one per core up to 16."""
+    raw = os.environ.get("PORTLAYER_HASH_THREADS", "")
+    if raw:
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            raise ValueError(f"PORTLAYER_HASH_THREADS={raw!r}: want a positive integer (threads hashing "
+                             "big files)") from None
     return max(1, min(16, os.cpu_count() or 1))
 
 

@@ -342,3 +342,25 @@ def test_a_capture_failing_after_the_digest_saw_a_changed_file_reports_the_chang
     monkeypatch.setattr(flatten, "capture", broken_capture)
     with pytest.raises(cache.ModelChangedError, match="changed while it was being hashed"):
         portlayer.compile(str(tiny_dirs["tiny-llama"]), target="cpu-x86_64", progress=False)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_hash_thread_count_from_the_environment_gives_hashlibs_digests(tmp_path, small_chunks, monkeypatch, threads):
+    """$PORTLAYER_HASH_THREADS sets the hashing pool (the load's background check uses it); any count gives the
+    chunk digests hashlib computes over the file's bytes, and a damaged file still fails."""
+    data = os.urandom(5 * small_chunks + 77)
+    path = tmp_path / "w.bin"
+    path.write_bytes(data)
+    monkeypatch.setenv("PORTLAYER_HASH_THREADS", threads)
+    assert file_hash._threads() == int(threads)
+    got = file_hash.hashes(path)
+    assert got["chunks_sha256"] == _chunk_shas(data, small_chunks)
+    assert file_hash.chunks_match(path, got) is True
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert file_hash.chunks_match(path, got) is False
+
+
+def test_a_bad_hash_thread_count_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PORTLAYER_HASH_THREADS", "many")
+    with pytest.raises(ValueError, match="PORTLAYER_HASH_THREADS='many'"):
+        file_hash._threads()
