@@ -11,7 +11,6 @@ than it saves). CPU targets and devices without streams take the plain path.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from portlayer.config import positive_int_env
 
 STAGE_BYTES = 64 << 20  # one pinned buffer per thread; pieces of a tensor are at most this big
 SMALL_BYTES = 1 << 20  # below this a tensor is copied directly
@@ -36,12 +37,7 @@ class _Stage:
 
 
 def _threads() -> int:
-    raw = os.environ.get("PORTLAYER_UPLOAD_THREADS", "")
-    try:
-        return max(1, int(raw)) if raw else DEFAULT_THREADS
-    except ValueError:
-        raise ValueError(f"PORTLAYER_UPLOAD_THREADS={raw!r}: want a positive integer (threads copying weights "
-                         "to the device)") from None
+    return positive_int_env("PORTLAYER_UPLOAD_THREADS", DEFAULT_THREADS, "threads copying weights to the device")
 
 
 def _device_module(device: torch.device) -> Any:

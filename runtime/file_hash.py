@@ -19,6 +19,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from portlayer.config import positive_int_env
+
 #: files at least this big get per-chunk hashes
 CHUNKED_MIN_BYTES = 256 << 20
 CHUNK_BYTES = 64 << 20
@@ -27,14 +29,7 @@ _BLOCK = 16 << 20  # one read and one hashlib.update (each releasing the GIL) pe
 
 def _threads() -> int:
     """Hashing threads: $PORTLAYER_HASH_THREADS, else one per core up to 16."""
-    raw = os.environ.get("PORTLAYER_HASH_THREADS", "")
-    if raw:
-        try:
-            return max(1, int(raw))
-        except ValueError:
-            raise ValueError(f"PORTLAYER_HASH_THREADS={raw!r}: want a positive integer (threads hashing "
-                             "big files)") from None
-    return max(1, min(16, os.cpu_count() or 1))
+    return positive_int_env("PORTLAYER_HASH_THREADS", max(1, min(16, os.cpu_count() or 1)), "threads hashing big files")
 
 
 def _hash_range(path: Path, start: int, size: int) -> str:
