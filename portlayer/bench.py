@@ -78,9 +78,30 @@ def max_positions(graph: Any) -> int:
     return min(rows, default=4096)
 
 
+def kv_block_size(plan: Any) -> int:
+    """The plan's KV block size (16 when the plan has none)."""
+    return int(plan.value("kv_block_size") or 16) if "kv_block_size" in plan.names() else 16
+
+
+def decode_step(graph: Any, exe: Any, batch: int, context: int, block: int,
+                generator: torch.Generator) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """One decode step's inputs as `portlayer bench` times it: ``batch`` sequences of one new token after
+    ``context`` cached ones in a fresh paged KV cache: (feeds, attention metadata, KV caches) for ``exe.run``."""
+    from portlayer.runtime.validation import new_kv_cache, step_metadata
+
+    dev = torch.device(exe.device)
+    vocab = int(graph.meta.get("vocab_size") or 2)
+    caches = new_kv_cache(graph, batch, context + 1, block, exe.dtype, dev)
+    md = step_metadata([1] * batch, [context] * batch, block_size=block, max_len=context + 1, device=dev)
+    feeds = {"input_ids": torch.randint(0, vocab, (batch,), generator=generator).to(dev),
+             "positions": torch.full((batch,), context, dtype=torch.int64, device=dev)}
+    feed_last_rows(feeds, [v.name for v in graph.inputs], md)
+    return feeds, md, caches
+
+
 def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_sizes: Sequence[int] = (1, 8),
           warmup: int = 2, iters: int = 10, rounds: int = 3) -> dict[str, Any]:
-    from portlayer.runtime.validation import new_kv_cache, step_metadata
+    from portlayer.runtime.validation import step_metadata
 
     exe = loaded.executable()
     graph = loaded.graph
@@ -88,7 +109,7 @@ def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_s
     limit = max_positions(graph)
     prefill_tokens, context = min(prefill_tokens, limit), min(context, limit - 1)
     vocab = int(graph.meta.get("vocab_size") or 2)
-    block = int(loaded.plan.value("kv_block_size") or 16) if "kv_block_size" in loaded.plan.names() else 16
+    block = kv_block_size(loaded.plan)
     causal = graph.meta.get("task", "causal_lm") == "causal_lm" and bool(graph.find("attention"))
     g = torch.Generator().manual_seed(0)
     report: dict[str, Any] = {
@@ -104,11 +125,7 @@ def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_s
     feed_last_rows(feeds, names, md)
     steps = [lambda: exe.run(feeds, md, None)]
     for b in batch_sizes if causal else ():
-        caches = new_kv_cache(graph, b, context + 1, block, exe.dtype, dev)
-        mdd = step_metadata([1] * b, [context] * b, block_size=block, max_len=context + 1, device=dev)
-        fd = {"input_ids": torch.randint(0, vocab, (b,), generator=g).to(dev),
-              "positions": torch.full((b,), context, dtype=torch.int64, device=dev)}
-        feed_last_rows(fd, names, mdd)
+        fd, mdd, caches = decode_step(graph, exe, b, context, block, g)
         steps.append(lambda fd=fd, mdd=mdd, caches=caches: exe.run(fd, mdd, caches))
     with torch.inference_mode():
         timed = _timed_rounds(steps, dev, warmup, iters, rounds)
