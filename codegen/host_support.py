@@ -277,22 +277,41 @@ class HostProgram:
                 seq_lens=torch.zeros(n, dtype=torch.int32, device=dev),
                 block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
                 qsl=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                rows={},  # T -> the static views a step of T sequences writes (built once per T)
+                padded_from=0,  # rows >= this hold no sequence (slot -1, length 0), whatever the last step wrote
             )
         return self._static
 
+    @staticmethod
+    def _cache_pointers(kv_caches: Any) -> tuple[int, ...]:
+        """The KV cache addresses a captured graph baked in (a graph replays only on the same caches)."""
+        return tuple(c.data_ptr() for pair in kv_caches for c in pair)
+
     def _replay(self, T: int, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata,  # noqa: N803
                 kv_caches: Any) -> list[torch.Tensor]:
-        B = next(s for s in self.capture_sizes if s >= T)  # noqa: N806
+        """Copy the step's inputs into the graph's static buffers and replay it. Every torch call here costs
+        the host ~5-15 us while the device waits for the replay (a waited decode step): views are built once
+        per size, and the rows past the batch are reset only when a larger step left them holding data."""
         s = self._static_state(kv_caches)
-        for k in self.INPUTS:
-            s.feeds[k][:T].copy_(feeds[k], non_blocking=True)
-        s.slots[:T].copy_(meta.slot_mapping, non_blocking=True)
-        s.slots[T:B].fill_(-1)
-        s.seq_lens[:T].copy_(meta.seq_lens, non_blocking=True)
-        s.seq_lens[T:B].fill_(0)
+        views = s.rows.get(T)
+        if views is None:
+            B = next(b for b in self.capture_sizes if b >= T)  # noqa: N806
+            views = s.rows[T] = (B, [s.feeds[k][:T] for k in self.INPUTS], s.slots[:T], s.seq_lens[:T], {})
+        B, dst_feeds, slots, seq_lens, tables = views  # noqa: N806
+        for dst, k in zip(dst_feeds, self.INPUTS):
+            dst.copy_(feeds[k], non_blocking=True)
+        slots.copy_(meta.slot_mapping, non_blocking=True)
+        seq_lens.copy_(meta.seq_lens, non_blocking=True)
+        if s.padded_from > T:  # a larger step wrote rows T..: they must read as empty sequences again
+            s.slots[T : s.padded_from].fill_(-1)
+            s.seq_lens[T : s.padded_from].fill_(0)
+        s.padded_from = T
         w = meta.block_tables.shape[1]
-        s.block_tables[:T, :w].copy_(meta.block_tables, non_blocking=True)
-        key = (B, tuple(c.data_ptr() for pair in kv_caches for c in pair))
+        table = tables.get(w)
+        if table is None:
+            table = tables[w] = s.block_tables[:T, :w]
+        table.copy_(meta.block_tables, non_blocking=True)
+        key = (B, self._cache_pointers(kv_caches))
         if key not in self._graphs:
             self._graphs[key] = self._capture(B, kv_caches)
         graph, outs = self._graphs[key]
@@ -305,17 +324,22 @@ class HostProgram:
         if not (self.use_graphs and kv_caches is not None):
             return 0
         self._static_state(kv_caches)
-        pointers = tuple(c.data_ptr() for pair in kv_caches for c in pair)
+        pointers = self._cache_pointers(kv_caches)
         for B in self.capture_sizes:  # noqa: N806
             if (B, pointers) not in self._graphs:
                 self._graphs[(B, pointers)] = self._capture(B, kv_caches)
         return len(self.capture_sizes)
 
-    def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
-        s = self._static
+    def graph_step_state(self, B: int, kv_caches: Any) -> tuple[StepState, dict[str, torch.Tensor]]:  # noqa: N803
+        """The step state and feeds a decode graph of ``B`` sequences is captured with: views of the static
+        buffers ``_replay`` copies each step's inputs into."""
+        s = self._static_state(kv_caches)
         st = StepState(B, B, 0, B, 1, s.qsl[: B + 1], s.seq_lens[:B], s.slots[:B], s.block_tables[:B],
                        s.block_tables.stride(0), int(kv_caches[0][0].shape[1]), True, None, kv_caches, self.device)
-        feeds = {k: v[:B] for k, v in s.feeds.items()}
+        return st, {k: v[:B] for k, v in s.feeds.items()}
+
+    def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
+        st, feeds = self.graph_step_state(B, kv_caches)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: compiles kernels outside the capture
