@@ -270,70 +270,114 @@ def measure_generated_attention(pipeline: Callable[..., Any], dev: torch.device,
 
         got = measure_paged_attention(dev, sizes, progress, dtype, run=run,
                                       label="generated split-K decode attention + reduce", graphed=True)
-        progress.start("host cost of a replayed decode step, waited for (batch 1 and the largest attention batch)")
-        step = measure_graph_step(pipeline, dev, sizes, desc, dtype, got, tmp)
+        progress.start("host cost of a replayed decode step, waited for (1 and 16 layers; batch 1 and the largest)")
+        step = measure_graph_step(pipeline, dev, sizes, desc, dtype, tmp)
         progress.done("not measured: the plan captures no CUDA graphs" if step is None else
-                      ", ".join(f"batch {p['batch']}: {p['host_us']:g} us" for p in step["points"]))
+                      ", ".join(f"{p['layers']} layers, batch {p['batch']}: {p['host_us']:g} us" for p in step["points"]))
     return {"attention_generated": got, **({"graph_step": step} if step else {})}
 
 
-def one_decode_step(heads: tuple[int, int, int], dtype: torch.dtype, vocab: int = 256) -> Any:
-    """input_ids -> embeddings as q, k, v -> paged attention: the smallest graph whose decode step the host
-    program replays from a CUDA graph as a model's (token ids in, the paged cache, its static buffers)."""
+#: decode-step programs of these many attention layers: the host cost that grows with a model's depth (one KV
+#: cache pair per layer in the graph's pointer key, one more set of graph nodes) as a slope between them
+GRAPH_STEP_LAYERS = (1, 16)
+#: the inputs a causal LM's decode step copies into the graph's static buffers (flatten/logits.py adds the third)
+DECODE_INPUTS = ("input_ids", "positions", "logits_indices")
+
+
+def one_decode_step(heads: tuple[int, int, int], dtype: torch.dtype, vocab: int = 256, layers: int = 1,
+                    max_positions: int = 4096) -> Any:
+    """The smallest graph whose replayed decode step has a causal LM's host work: its three inputs (token ids,
+    positions, the rows to return), ``layers`` paged attentions each with its own KV cache, the returned rows
+    gathered at the end. Layer 0's queries are the token's embedding plus its position's; layer i's queries are
+    layer i-1's output; every layer's keys and values are embeddings of the token."""
     hq, hkv, d = heads
     b = GraphBuilder()
     g = torch.Generator().manual_seed(0)
     ids = b.add_input("input_ids", TensorType("int64", ("num_tokens",)))
-    parts = []
-    for name, h in (("q", hq), ("k", hkv), ("v", hkv)):
-        table = b.add_param(f"{name}_table", torch.randn(vocab, h * d, generator=g).to(dtype))
-        e = b.add1("embedding", [table, ids], name=f"{name}_embed")
-        parts.append(b.add1("reshape", [e], {"shape": ["num_tokens", h, d]}, name=f"{name}_heads"))
-    a = b.add1("attention", parts, {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "scale": d**-0.5,
-                                    "layer": 0}, name="attn")
-    b.graph.outputs = [b.add1("reshape", [a], {"shape": ["num_tokens", hq * d]}, name="attn_flat")]
-    b.graph.meta = {"architecture": "calibration-decode-step", "max_positions": 4096}
+    pos = b.add_input("positions", TensorType("int64", ("num_tokens",)))
+    rows = b.add_input(DECODE_INPUTS[2], TensorType("int64", ("num_seqs",)))
+
+    def embed(name: str, index: str, n: int, width: int) -> str:
+        table = b.add_param(f"{name}_table", torch.randn(n, width, generator=g).to(dtype))
+        return b.add1("embedding", [table, index], name=f"{name}_embed")
+
+    x = b.add1("add", [embed("q", ids, vocab, hq * d), embed("pos", pos, max_positions, hq * d)], name="q0")
+    for i in range(layers):
+        q = b.add1("reshape", [x], {"shape": ["num_tokens", hq, d]}, name=f"q{i}_heads")
+        k, v = (b.add1("reshape", [embed(f"{n}{i}", ids, vocab, hkv * d)], {"shape": ["num_tokens", hkv, d]},
+                       name=f"{n}{i}_heads") for n in "kv")
+        a = b.add1("attention", [q, k, v], {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "scale": d**-0.5,
+                                            "layer": i}, name=f"attn{i}")
+        x = b.add1("reshape", [a], {"shape": ["num_tokens", hq * d]}, name=f"attn{i}_flat")
+    b.graph.outputs = [b.add1("index_select", [x, rows], {"dim": 0}, name="rows")]
+    b.graph.meta = {"architecture": "calibration-decode-step", "max_positions": max_positions}
     return b.graph
 
 
+def _device_behind_sleep(run: Callable[[], Any], dev: torch.device, iters: int) -> float:
+    """Median device microseconds of ``run()`` queued behind a ~2 ms sleep kernel: the host has submitted
+    everything before the device reaches it, so the events time the device alone."""
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(4_000_000)
+        e0.record()
+        run()
+        e1.record()
+        torch.cuda.synchronize(dev)
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, desc: Any, dtype: torch.dtype,
-                       fit: dict[str, float], tmp: str, context: int = 16) -> dict[str, Any] | None:
-    """Host microseconds a replayed decode step adds to its kernels when each step is waited for (as `portlayer
-    bench` times it): the program's static-buffer copies, the replay call, the output copy and the wait.
-    Timed at batch 1 and the largest batch of ``sizes.attn_points`` over a short context, minus the device time
-    the generated-attention fit gives the step's attention (its three tiny embedding kernels stay in: ~1 us each)."""
+                       tmp: str, context: int = 16, layers: tuple[int, ...] = GRAPH_STEP_LAYERS) -> dict[str, Any] | None:
+    """Host microseconds a replayed decode step adds to its device time when each step is waited for (as
+    `portlayer bench` times it): the copies into the static buffers, the graph's pointer key, the replay call,
+    the output copy, the wait. Programs of ``layers`` attention layers (one_decode_step), at batch 1 and the
+    largest batch of ``sizes.attn_points``: wall (run + synchronize, median of 200) minus the same step's device
+    time (timed behind a sleep kernel). The cost model takes the fixed part and the slope per layer."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.capabilities.calibrate_attention import paged_case
     from portlayer.codegen.program import write_program
 
-    result = _planned(pipeline, one_decode_step(sizes.attn_heads, dtype), desc, dtype)
-    if not result.plan.value("graph_capture_sizes"):
-        return None
-    out = Path(tmp) / "decode-step"
-    write_program(generate(result.graph, result.plan, result.descriptor), out)
-    prog = load_program(out, result.graph.weights, str(dev), result.plan)
     top = max(b for b, _ in sizes.attn_points)
     points = []
-    with torch.inference_mode():
-        for batch in sorted({1, top}):
-            _, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, dev)
-            feeds = {"input_ids": torch.randint(0, 256, (batch,), device=dev)}
-            md = ctx.attn_metadata
-            for _ in range(5):
-                prog.run(feeds, md, ctx.kv_cache)
-            torch.cuda.synchronize(dev)
-            walls = []
-            for _ in range(200):
-                t0 = time.perf_counter()
-                prog.run(feeds, md, ctx.kv_cache)
+    for n_layers in layers:
+        result = _planned(pipeline, one_decode_step(sizes.attn_heads, dtype, layers=n_layers), desc, dtype)
+        if not result.plan.value("graph_capture_sizes"):
+            return None
+        out = Path(tmp) / f"decode-step-{n_layers}"
+        write_program(generate(result.graph, result.plan, result.descriptor), out)
+        prog = load_program(out, result.graph.weights, str(dev), result.plan)
+        with torch.inference_mode():
+            for batch in sorted({1, top}):
+                _, ctx, _ = paged_case(batch, context, sizes.attn_heads, dtype, dev)
+                caches = [ctx.kv_cache[0]] + [tuple(torch.empty_like(c) for c in ctx.kv_cache[0])
+                                              for _ in range(n_layers - 1)]
+                md = ctx.attn_metadata
+                feeds = {"input_ids": torch.randint(0, 256, (batch,), device=dev),
+                         "positions": md.seq_lens.to(dev, torch.int64) - 1,
+                         DECODE_INPUTS[2]: torch.arange(batch, device=dev)}
+
+                def step(prog: Any = prog, feeds: dict[str, torch.Tensor] = feeds, md: Any = md,
+                         caches: Any = caches) -> Any:
+                    return prog.run(feeds, md, caches)
+
+                for _ in range(5):
+                    step()
                 torch.cuda.synchronize(dev)
-                walls.append(time.perf_counter() - t0)
-            wall = sorted(walls)[len(walls) // 2] * 1e6
-            device = fit["fixed_us"] + fit["per_seq_us"] * batch + kv_bytes / (fit["gbps"] * 1e3)
-            points.append({"batch": batch, "wall_us": sig(wall), "device_us": sig(device),
-                           "host_us": sig(max(0.0, wall - device))})
-    return {"context": context, "points": points}
+                walls = []
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize(dev)
+                    walls.append(time.perf_counter() - t0)
+                wall = sorted(walls)[len(walls) // 2] * 1e6
+                device = _device_behind_sleep(step, dev, 50)
+                points.append({"batch": batch, "layers": n_layers, "wall_us": sig(wall), "device_us": sig(device),
+                               "host_us": sig(max(0.0, wall - device))})
+    return {"context": context, "inputs": list(DECODE_INPUTS), "points": points}
 
 
 def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:

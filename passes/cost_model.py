@@ -240,9 +240,12 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         total = device_us
     elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above),
         # then what the host adds to a step that is waited for (static copies, replay call, output copy)
-        step = curves.graph_step_us(batch)
-        if step:  # the outputs are copied out of the graph's static buffers (read + write)
+        layers = sum(1 for n in graph.nodes if n.op == "attention")
+        step = curves.graph_step_us(batch, layers)
+        if step:  # the outputs are copied out of the graph's static buffers (read + write); each input the
+            # calibrated program did not have (or had and this graph lacks) is one copy call more (or less)
             step += curves.memory_us(2 * sum(types[o].nbytes(b) for o in graph.outputs if o in types))
+            step = max(0.0, step + (len(graph.inputs) - curves.graph_step_inputs) * curves.launch_us)
         step += launches * curves.graph_node_us  # submitting the graph's nodes: not hidden when the step is waited for
         if step:
             groups.append(GroupTime("step", "host", "other", step, 0, 0, "launch"))

@@ -78,19 +78,34 @@ class Curves:
     threads: int | None = None  # torch threads the calibration ran with
     host_factor: float = 1.0  # torch family: one-token calls in a program's sequence vs each in a tight loop
     cache_bytes: int | None = None  # the sweep's cache knee: a kernel moving more leaves the next one cold
-    graph_step: tuple[tuple[int, float], ...] = ()  # (batch, host us a replayed decode step adds when waited for)
+    graph_step: tuple[tuple[int, int, float], ...] = ()  # (batch, layers, host us a waited replayed decode step adds)
+    graph_step_inputs: int = 0  # inputs the calibrated decode-step program copies into its static buffers
     graph_node_us: float = 0.0  # what each graph node adds to a replay that is waited for (host submission)
 
-    def graph_step_us(self, batch: int) -> float:
-        """Host time of a replayed decode step beyond its kernels (copies into the static buffers, the replay
-        call, the output copy, the wait), linear in the batch between the calibrated points; 0 uncalibrated."""
-        pts = sorted(self.graph_step)
-        if not pts:
+    def graph_step_us(self, batch: int, layers: int = 1) -> float:
+        """Host time of a replayed decode step beyond its device time (copies into the static buffers, the
+        graph's KV pointer key, the replay call, the output copy, the wait): linear in the batch between the
+        calibrated points of each program depth, then linear in the number of attention layers between the
+        two depths (the slope never below 0: a noisy pair must not make a deep model cheaper); 0 uncalibrated."""
+        by_depth: dict[int, list[tuple[int, float]]] = {}
+        for b, n, us in self.graph_step:
+            by_depth.setdefault(n, []).append((b, us))
+        if not by_depth:
             return 0.0
-        if len(pts) == 1 or batch <= pts[0][0]:
-            return pts[0][1]
-        (b0, u0), (b1, u1) = pts[0], pts[-1]
-        return max(0.0, u0 + (u1 - u0) * (batch - b0) / max(1, b1 - b0))
+
+        def in_batch(pts: list[tuple[int, float]]) -> float:
+            pts = sorted(pts)
+            if len(pts) == 1 or batch <= pts[0][0]:
+                return pts[0][1]
+            (b0, u0), (b1, u1) = pts[0], pts[-1]
+            return max(0.0, u0 + (u1 - u0) * (batch - b0) / max(1, b1 - b0))
+
+        depths = sorted(by_depth)
+        base = in_batch(by_depth[depths[0]])
+        if len(depths) == 1:
+            return base
+        slope = max(0.0, (in_batch(by_depth[depths[-1]]) - base) / (depths[-1] - depths[0]))
+        return base + slope * (layers - depths[0])
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how
@@ -133,7 +148,9 @@ class Curves:
             threads=cal.get("threads"), host_factor=float(cal.get("torch_sequence_factor") or 1.0),
             cache_bytes=cal.get("cache_knee_bytes"),
             graph_node_us=float(launch.get("graph_node_host_us") or 0.0),
-            graph_step=tuple((int(p["batch"]), float(p["host_us"])) for p in (cal.get("graph_step") or {}).get("points", ())),
+            graph_step=tuple((int(p["batch"]), int(p.get("layers", 1)), float(p["host_us"]))
+                             for p in (cal.get("graph_step") or {}).get("points", ())),
+            graph_step_inputs=len((cal.get("graph_step") or {}).get("inputs") or ["input_ids"]),
         )  # fmt: skip
 
     def peak_tflops(self, dtype: str) -> float:

@@ -12,6 +12,7 @@ costs its own results only. Steps, in order:
   compile_tuned           the 0.6B shape again with the tuning file: its plan names the tuned entries; no tuning time
   bench_tuned             bench of the tuned artifact; per step against bench_06b, per family from the tuning file
 
+TUNE=0 stops after bench_tiny (calibration and prediction only).
 DEVICE=cpu runs the same plumbing on a CPU (TARGET cpu-x86_64, a 2-layer 0.6B shape, the tune steps on a
 1-layer float32 nvidia-h200 artifact under the Triton interpreter with 2 candidates of one family).
 """
@@ -172,6 +173,9 @@ def main() -> int:
     bench(a06, "bench_06b", 200, reserve=40)
     step("compile_tiny", portlayer("compile", "tiny-qwen3", "--target", target, "-o", str(tiny)), 150, reserve=30)
     bench(tiny, "bench_tiny", 120, reserve=20)
+    if os.environ.get("TUNE", "1") == "0":  # calibration and prediction only (the tuning steps were run before)
+        print(f"== done (TUNE=0), {float(os.environ.get('DEADLINE_S', '530')) - left():.0f} s; records in {OUT / 'steps.json'}")
+        return 0
     # autotuning: on the CPU a 1-layer float32 H200 artifact under the Triton interpreter (the search's plumbing)
     tuning = OUT / "tuning.json"
     tuning.unlink(missing_ok=True)

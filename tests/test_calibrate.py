@@ -277,14 +277,17 @@ def test_the_generated_attention_program_calibration_times_is_paged_decode_atten
         torch.testing.assert_close(out[b], want[:, 0], rtol=1e-4, atol=1e-5)
 
 
-def test_the_decode_step_program_graph_step_calibration_replays_is_paged_attention_over_embeddings(tmp_path):
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_decode_step_program_graph_step_calibration_replays_is_paged_attention_over_embeddings(tmp_path, layers):
     """calibrate times the host cost of a replayed decode step with backends/calibration_runner.one_decode_step:
-    token ids in (as a model's program takes them), q/k/v embedded, paged attention. Here its generated program,
-    interpreted in float32 on the calibration's paged case, against torch SDPA over the cached tokens + the new."""
+    a causal LM's three inputs (token ids, positions, the rows to return), ``layers`` paged attentions with a KV
+    cache each, the rows gathered. Here its generated program, interpreted in float32 on the calibration's paged
+    case, against torch SDPA layer by layer: layer 0's queries are the token's + its position's embeddings,
+    layer i's the output of layer i-1; keys and values embed the token; the returned rows are the ones asked."""
     import torch
     import torch.nn.functional as F
 
-    from portlayer.backends.calibration_runner import _program, one_decode_step
+    from portlayer.backends.calibration_runner import DECODE_INPUTS, _program, one_decode_step
     from portlayer.capabilities.calibrate_attention import paged_case
     from portlayer.capabilities.descriptor import load_descriptor
     from portlayer.passes.pipeline import run_pipeline
@@ -292,22 +295,31 @@ def test_the_decode_step_program_graph_step_calibration_replays_is_paged_attenti
     hq, hkv, d = heads = (4, 2, 16)
     batch, context = 3, 18
     cpu = torch.device("cpu")
-    graph = one_decode_step(heads, torch.float32, vocab=32)
-    tables = {n: graph.weights[f"{n}_table"].clone() for n in "qkv"}
+    graph = one_decode_step(heads, torch.float32, vocab=32, layers=layers, max_positions=64)
+    assert [v.name for v in graph.inputs] == list(DECODE_INPUTS)
+    tables = {n: t.clone() for n, t in graph.weights.items()}
     prog = _program(run_pipeline, graph, load_descriptor("nvidia-h200"), torch.float32, cpu, tmp_path / "step", 0, 0)
     _, ctx, _ = paged_case(batch, context, heads, torch.float32, cpu)
-    kc, vc = (c.clone() for c in ctx.kv_cache[0])
-    ids = torch.tensor([3, 31, 3])
-    out = prog.run({"input_ids": ids}, ctx.attn_metadata, ctx.kv_cache)[0]
+    g = torch.Generator().manual_seed(3)
+    caches = [ctx.kv_cache[0]] + [tuple(torch.randn(c.shape, generator=g) for c in ctx.kv_cache[0])
+                                  for _ in range(layers - 1)]
+    before = [tuple(c.clone() for c in pair) for pair in caches]
+    ids, pos, rows = torch.tensor([3, 31, 3]), torch.tensor([18, 18, 18]), torch.tensor([2, 0, 1])
+    out = prog.run({"input_ids": ids, "positions": pos, "logits_indices": rows}, ctx.attn_metadata, caches)[0]
     assert out.shape == (batch, hq * d)
-    q, k, v = (tables[n][ids].view(batch, -1, d) for n in "qkv")
-    for b in range(batch):
-        blocks = ctx.attn_metadata.block_tables[b].tolist()
-        keys = torch.cat([kc[blocks].reshape(-1, hkv, d)[:context], k[b:b + 1]]).transpose(0, 1)
-        vals = torch.cat([vc[blocks].reshape(-1, hkv, d)[:context], v[b:b + 1]]).transpose(0, 1)
-        want = F.scaled_dot_product_attention(q[b][:, None], keys.repeat_interleave(hq // hkv, 0),
-                                              vals.repeat_interleave(hq // hkv, 0), scale=d**-0.5)
-        torch.testing.assert_close(out[b].view(hq, d), want[:, 0], rtol=1e-4, atol=1e-5)
+    x = tables["q_table"][ids] + tables["pos_table"][pos]
+    for i, (kc, vc) in enumerate(before):
+        q = x.view(batch, hq, d)
+        k, v = (tables[f"{n}{i}_table"][ids].view(batch, hkv, d) for n in "kv")
+        outs = []
+        for b in range(batch):
+            blocks = ctx.attn_metadata.block_tables[b].tolist()
+            keys = torch.cat([kc[blocks].reshape(-1, hkv, d)[:context], k[b:b + 1]]).transpose(0, 1)
+            vals = torch.cat([vc[blocks].reshape(-1, hkv, d)[:context], v[b:b + 1]]).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(q[b][:, None], keys.repeat_interleave(hq // hkv, 0),
+                                                       vals.repeat_interleave(hq // hkv, 0), scale=d**-0.5)[:, 0])
+        x = torch.stack(outs).reshape(batch, hq * d)
+    torch.testing.assert_close(out, x[rows], rtol=1e-4, atol=1e-5)
 
 
 def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():

@@ -386,6 +386,57 @@ def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batc
     assert pre[0] == pytest.approx(pre[1], rel=1e-9)
 
 
+def test_the_waited_replay_host_cost_grows_with_the_models_attention_layers_from_two_calibrated_depths(gpu):
+    """calibration.graph_step at two program depths (1 and 16 attention layers, batch 1 and 64): a model of L
+    attention layers pays the 1-layer cost plus the per-layer slope times L - 1 (interpolated in batch first);
+    a slope that comes out negative (noise) adds nothing; without a depth the single depth's cost is used."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    layers = sum(1 for n in gpu.graph.nodes if n.op == "attention")
+    ins = [v.name for v in gpu.graph.inputs]
+
+    def extra(points: list[tuple[int, int, float]], batch: int) -> float:
+        r = copy.deepcopy(raw)
+        r["calibration"] = {"graph_step": {"context": 16, "inputs": ins, "points": [
+            {"batch": b, "layers": n, "host_us": us} for b, n, us in points]}}
+        return (predict(gpu.graph, gpu.plan, r, "decode", batch=batch, context=32).ms
+                - predict(gpu.graph, gpu.plan, raw, "decode", batch=batch, context=32).ms) * 1e3
+
+    def copy_us(batch: int) -> float:
+        row = sum(t.nbytes({"num_tokens": 1, "num_seqs": 1, gpu.graph.meta.get("token_symbol", "num_tokens"): 1})
+                  for o, t in gpu.graph.value_types().items() if o in gpu.graph.outputs)
+        return 2 * batch * row / (1000.0 * 1e3)
+
+    deep = [(1, 1, 40.0), (64, 1, 100.0), (1, 16, 70.0), (64, 16, 160.0)]  # slope 2 us/layer at b1, 4 at b64
+    assert extra(deep, 1) == pytest.approx(40.0 + 2.0 * (layers - 1) + copy_us(1), rel=1e-6)
+    assert extra(deep, 64) == pytest.approx(100.0 + 4.0 * (layers - 1) + copy_us(64), rel=1e-6)
+    noisy = [(1, 1, 40.0), (1, 16, 31.0)]
+    assert extra(noisy, 1) == pytest.approx(40.0 + copy_us(1), rel=1e-6)
+    assert extra([(1, 1, 40.0)], 1) == pytest.approx(40.0 + copy_us(1), rel=1e-6)
+    # a 28-layer model (the Qwen3-0.6B shape) from the same points, and batch 16 between 1 and 64
+    raw["calibration"] = {"graph_step": {"points": [{"batch": b, "layers": n, "host_us": us} for b, n, us in deep]}}
+    curves = Curves.from_descriptor(raw)
+    assert curves.graph_step_us(1, 28) == pytest.approx(40.0 + 2.0 * 27)
+    assert curves.graph_step_us(16, 28) == pytest.approx((40.0 + 60.0 * 15 / 63) + (2.0 + 2.0 * 15 / 63) * 27)
+    raw["calibration"]["graph_step"]["points"] = [{"batch": 1, "host_us": 40.0}]  # a file from before depths
+    assert Curves.from_descriptor(raw).graph_step_us(1, 28) == pytest.approx(40.0)
+
+
+def test_each_input_the_calibrated_decode_step_lacked_costs_one_copy_call(gpu):
+    """The calibrated decode-step program copies its inputs into the graph's static buffers; a graph with
+    more inputs than it had pays one host copy call (the eager launch cost) per extra input, fewer saves one."""
+    raw = synthetic("nvidia-h200", bandwidth=1000.0, launch=3.0)
+    n = len(gpu.graph.inputs)
+
+    def with_inputs(k: int) -> float:
+        r = copy.deepcopy(raw)
+        r["calibration"] = {"graph_step": {"context": 16, "inputs": [f"in{i}" for i in range(k)],
+                                           "points": [{"batch": 1, "layers": 1, "host_us": 50.0}]}}
+        return predict(gpu.graph, gpu.plan, r, "decode", batch=1, context=32).ms * 1e3
+
+    assert with_inputs(n) - with_inputs(n + 2) == pytest.approx(2 * 3.0, rel=1e-6)
+    assert with_inputs(n - 1) - with_inputs(n) == pytest.approx(3.0, rel=1e-6)
+
+
 def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(gpu):
     """calibration.launch_us.graph_node_host_us: a replayed decode step pays it once per launch of the step
     (launches counted by the model from the graph's kernel groups); eager prefill does not."""
