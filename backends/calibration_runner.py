@@ -119,21 +119,40 @@ def _planned(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.d
                                             "weight_quantization": "none"})
 
 
-def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_rule: int = 0, dot_rule: int = 0) -> Any:
+def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_rule: int = 0, dot_rule: int = 0,
+          binaries: bool = False) -> Any:
     """The generated program of ``result`` under the given GEMM rules, written to ``out`` and loaded eager
-    (no CUDA graphs of its own: the benchmarks capture what they time)."""
+    (no CUDA graphs of its own: the benchmarks capture what they time). ``binaries``: its kernels compiled
+    ahead of time for the device and launched as an artifact's are (codegen/kernel_binaries.py), not through
+    Triton's JIT launcher, whose host cost per launch is several times larger."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.codegen.program import write_program
 
     write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
                            gemv_max_tokens=gemv_rule, gemv_dot_max_tokens=dot_rule), out)
-    return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+    src = _with_binaries(out, result.descriptor) if binaries and dev.type == "cuda" else None
+    return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False,
+                        **({"sources": src} if src is not None else {}))
+
+
+def _with_binaries(out: Path, desc: Any) -> Any | None:
+    """The generated program's files with its kernels compiled for ``desc`` in this process (codegen/aot.py's
+    binaries.json and binaries/), for load_program; None where the target has no binaries."""
+    from portlayer.codegen.aot import BINARIES_DIR, BINARIES_INDEX, descriptor_target, write_binaries
+    from portlayer.codegen.program import PROGRAM_LAYOUT
+    from portlayer.codegen.source_loader import read_directory
+
+    target = descriptor_target(desc)
+    if target is None:
+        return None
+    write_binaries(out, target[2], jobs=1)
+    return read_directory(out, ("*.py", PROGRAM_LAYOUT, "kernels/*.py", BINARIES_INDEX, f"{BINARIES_DIR}/*"))
 
 
 def _program(pipeline: Callable[..., Any], graph: Any, desc: Any, dtype: torch.dtype, dev: torch.device, out: Path,
-             gemm_rule: int, gemv_rule: int, dot_rule: int = 0) -> Any:
-    return _load(_planned(pipeline, graph, desc, dtype), dev, out, gemm_rule, gemv_rule, dot_rule)
+             gemm_rule: int, gemv_rule: int, dot_rule: int = 0, binaries: bool = False) -> Any:
+    return _load(_planned(pipeline, graph, desc, dtype), dev, out, gemm_rule, gemv_rule, dot_rule, binaries)
 
 
 #: chain lengths whose eager steps give the per-kernel host cost as a slope
@@ -143,12 +162,13 @@ HOST_CHAIN = (1, 2, 4, 8)
 def measure_eager_kernel_host(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype,
                               k: int, tmp: str) -> tuple[float, float]:
     """(host microseconds of an eager one-kernel step, what each further generated kernel adds): the
-    least-squares line through eager steps of chains of 1, 2, 4 and 8 linears (the Triton GEMM at one row).
+    least-squares line through eager steps of chains of 1, 2, 4 and 8 linears (the Triton GEMM at one row),
+    their kernels launched from precompiled binaries as a compiled artifact's are (since session 10).
     A slope over four lengths, not the difference of two timings, which moved 22 -> 46 us between runs."""
     xs, ys = [], []
     with tempfile.TemporaryDirectory(prefix="portlayer-host-", dir=tmp) as sub:
         progs = [(r, _program(pipeline, chained_linears(k, r, dtype), desc, dtype, dev, Path(sub) / f"chain-{r}",
-                              ALWAYS_TRITON, 0)) for r in HOST_CHAIN]  # loaded outside inference mode
+                              ALWAYS_TRITON, 0, binaries=True)) for r in HOST_CHAIN]  # loaded outside inference mode
         with torch.inference_mode():
             x = torch.randn(1, k, device=dev, dtype=dtype)
             for _ in range(2):  # interleaved rounds, each length's best kept: a slow spell hits all lengths alike
