@@ -132,8 +132,22 @@ def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_ru
     write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
                            gemv_max_tokens=gemv_rule, gemv_dot_max_tokens=dot_rule), out)
     src = _with_binaries(out, result.descriptor) if binaries and dev.type == "cuda" else None
-    return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False,
-                        **({"sources": src} if src is not None else {}))
+    if src is not None:
+        from portlayer.codegen.kernel_binaries import KernelBinaryError
+
+        try:
+            return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False, sources=src)
+        except KernelBinaryError:  # binaries for another arch or driver (--base names another device): the JIT
+            pass
+    return load_program(out, result.graph.weights, str(dev), result.plan, use_graphs=False)
+
+
+def launcher(prog: Any) -> str:
+    """How a loaded program launches its generated kernels: "binaries" (codegen/kernel_binaries.py) or "jit"."""
+    from portlayer.codegen.kernel_binaries import BinaryKernel, BinaryVariants
+
+    kernels = vars(getattr(prog, "K", None) or SimpleNamespace()).values()
+    return "binaries" if any(isinstance(k, (BinaryKernel, BinaryVariants)) for k in kernels) else "jit"
 
 
 def _with_binaries(out: Path, desc: Any) -> Any | None:
@@ -146,7 +160,10 @@ def _with_binaries(out: Path, desc: Any) -> Any | None:
     target = descriptor_target(desc)
     if target is None:
         return None
-    write_binaries(out, target[2], jobs=1)
+    try:
+        write_binaries(out, target[2], jobs=1)
+    except Exception:  # noqa: BLE001 - a toolchain that cannot compile here: the kernels launch through the JIT
+        return None
     return read_directory(out, ("*.py", PROGRAM_LAYOUT, "kernels/*.py", BINARIES_INDEX, f"{BINARIES_DIR}/*"))
 
 
@@ -160,15 +177,17 @@ HOST_CHAIN = (1, 2, 4, 8)
 
 
 def measure_eager_kernel_host(pipeline: Callable[..., Any], dev: torch.device, desc: Any, dtype: torch.dtype,
-                              k: int, tmp: str) -> tuple[float, float]:
+                              k: int, tmp: str, launchers: set[str] | None = None) -> tuple[float, float]:
     """(host microseconds of an eager one-kernel step, what each further generated kernel adds): the
     least-squares line through eager steps of chains of 1, 2, 4 and 8 linears (the Triton GEMM at one row),
     their kernels launched from precompiled binaries as a compiled artifact's are (since session 10).
     A slope over four lengths, not the difference of two timings, which moved 22 -> 46 us between runs."""
+    launchers = set() if launchers is None else launchers  # filled with how the chains launched ("binaries"/"jit")
     xs, ys = [], []
     with tempfile.TemporaryDirectory(prefix="portlayer-host-", dir=tmp) as sub:
         progs = [(r, _program(pipeline, chained_linears(k, r, dtype), desc, dtype, dev, Path(sub) / f"chain-{r}",
                               ALWAYS_TRITON, 0, binaries=True)) for r in HOST_CHAIN]  # loaded outside inference mode
+        launchers.update(launcher(p) for _, p in progs)
         with torch.inference_mode():
             x = torch.randn(1, k, device=dev, dtype=dtype)
             for _ in range(2):  # interleaved rounds, each length's best kept: a slow spell hits all lengths alike
@@ -228,7 +247,8 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
         # the generated kernels again at a small K = N: with the large one, a fixed cost plus a part that grows
         # with K*N (a decoder's 1-3k-wide GEMVs are mostly the fixed part), as the vendor curve has
         small, _ = _path_times(pipeline, dev, desc, dtype, small_k, paths[:1] + paths[2:], sizes.iters, tmp)
-        host, per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp)
+        launchers: set[str] = set()
+        host, per_kernel = measure_eager_kernel_host(pipeline, dev, desc, dtype, small_k, tmp, launchers)
     points = [{"m": m, "triton_us": sig(times["triton"][m]), "vendor_us": sig(times["vendor"][m]),
                **({"gemv_us": sig(times["gemv"][m])} if m in times["gemv"] else {}),
                **({"gemv_dot_us": sig(times["gemv_dot"][m])} if m in times["gemv_dot"] else {})}
@@ -247,9 +267,10 @@ def measure_gemm_crossover(pipeline: Callable[..., Any], dev: torch.device, size
                   + ", ".join(f"M={p['m']} {p['triton_us']:g}/{p.get('gemv_us', '-')}/{p.get('gemv_dot_us', '-')}"
                               for p in points_small)
                   + f"; timed {'/'.join(sorted(modes))}); an eager generated-kernel step costs the host {host:.3g} us, "
-                  f"each further kernel {per_kernel:.3g} us")
+                  f"each further kernel {per_kernel:.3g} us (launched through {'/'.join(sorted(launchers))})")
     return {"gemm_crossover": {"k": sizes.gemm_k, "dtype": str(dtype).removeprefix("torch."), "points": points,
-                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes)},
+                               "k_small": small_k, "points_small": points_small, "timing": sorted(modes),
+                               "eager_launcher": "/".join(sorted(launchers))},
             "triton_gemm_max_tokens": cross, "gemv_max_tokens": gemv, "triton_launch_us": sig(host),
             # a slope over chain lengths: kept only when it is a plausible share of the one-kernel step
             "triton_kernel_us": sig(per_kernel) if 0.5 <= per_kernel <= host else None}
@@ -366,14 +387,14 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
     for n_layers in layers:
         result = _planned(pipeline, one_decode_step(sizes.attn_heads, dtype, layers=n_layers), desc, dtype)
         if not result.plan.value("graph_capture_sizes"):
-            return None
+            break  # the plan captures no graphs for this program: what was measured (if anything) stands
         out = Path(tmp) / f"decode-step-{n_layers}"
         write_program(generate(result.graph, result.plan, result.descriptor), out)
         prog = load_program(out, result.graph.weights, str(dev), result.plan)
         with torch.inference_mode():
             for batch in sorted({1, top}):
                 _, ctx, _ = paged_case(batch, context, sizes.attn_heads, dtype, dev)
-                caches = [ctx.kv_cache[0]] + [tuple(torch.empty_like(c) for c in ctx.kv_cache[0])
+                caches = [ctx.kv_cache[0]] + [tuple(torch.zeros_like(c) for c in ctx.kv_cache[0])
                                               for _ in range(n_layers - 1)]
                 md = ctx.attn_metadata
                 feeds = {"input_ids": torch.randint(0, 256, (batch,), device=dev),
@@ -387,6 +408,8 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
                 for _ in range(5):
                     step()
                 torch.cuda.synchronize(dev)
+                if not getattr(prog, "_graphs", None):  # the step ran eagerly: not what this measures
+                    continue
                 walls = []
                 for _ in range(200):
                     t0 = time.perf_counter()
@@ -397,7 +420,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
                 device = _device_behind_sleep(step, dev, 50)
                 points.append({"batch": batch, "layers": n_layers, "wall_us": sig(wall), "device_us": sig(device),
                                "host_us": sig(max(0.0, wall - device))})
-    return {"context": context, "inputs": list(DECODE_INPUTS), "points": points}
+    return {"context": context, "inputs": list(DECODE_INPUTS), "points": points} if points else None
 
 
 def measure_torch_attention(dev: torch.device, sizes: Sizes, progress: Progress, base: str) -> dict[str, Any]:

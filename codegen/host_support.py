@@ -323,7 +323,11 @@ class HostProgram:
         size: the static inputs hold no slot (-1) and no context, so nothing is written to the KV cache."""
         if not (self.use_graphs and kv_caches is not None):
             return 0
-        self._static_state(kv_caches)
+        s = self._static_state(kv_caches)
+        if s.padded_from:  # replays ran before: their rows must not be captured (the warm-up would write KV there)
+            s.slots.fill_(-1)
+            s.seq_lens.zero_()
+            s.padded_from = 0
         pointers = self._cache_pointers(kv_caches)
         for B in self.capture_sizes:  # noqa: N806
             if (B, pointers) not in self._graphs:

@@ -198,7 +198,7 @@ class BinaryKernel:
         # the raw handle of torch's current stream (the capture stream inside torch.cuda.graph): one C call;
         # torch.cuda.current_stream() builds a Stream object and resolves the device twice (~1/3 of an eager
         # launch's host time on the H200 host, session 10's profile of a 128-token prefill)
-        stream = _RAW_STREAM(self._index) if _RAW_STREAM is not None else torch.cuda.current_stream(self.device).cuda_stream
+        stream = _RAW_STREAM(self._index) if _RAW_STREAM is not None else torch.cuda.current_stream(self._index).cuda_stream
         rc = self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared, stream, self._params, None)
         if rc:
             self.driver.check(rc, f"launch of {self.name}")

@@ -240,7 +240,7 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         total = device_us
     elif graphs:  # one replay: the kernels back to back, none faster than an in-graph tiny kernel (floored above),
         # then what the host adds to a step that is waited for (static copies, replay call, output copy)
-        layers = sum(1 for n in graph.nodes if n.op == "attention")
+        layers = sum(1 for n in graph.nodes if get_op(n.op).kind == "attention")  # KV-cache layers (MLA too)
         step = curves.graph_step_us(batch, layers)
         if step:  # the outputs are copied out of the graph's static buffers (read + write); each input the
             # calibrated program did not have (or had and this graph lacks) is one copy call more (or less)

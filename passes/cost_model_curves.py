@@ -105,7 +105,7 @@ class Curves:
         if len(depths) == 1:
             return base
         slope = max(0.0, (in_batch(by_depth[depths[-1]]) - base) / (depths[-1] - depths[0]))
-        return base + slope * (layers - depths[0])
+        return base + slope * max(0, layers - depths[0])  # never below the shallowest calibrated program
 
     def ops_per_sequence(self) -> float | None:
         """Torch-family attention runs a handful of torch ops per sequence over that sequence's KV: how

@@ -71,7 +71,7 @@ def artifact_rows(path: str, batches: list[int], context: int) -> list[dict[str,
             for _ in range(10):
                 exe.run(fd, md, caches)
             torch.cuda.synchronize()
-            key = next(k for k in exe._graphs if k[0] >= b)
+            key = (next(s for s in exe.capture_sizes if s >= b), exe._cache_pointers(caches))  # this step's graph
             graph, outs = exe._graphs[key]
             timed = _Timed(graph)
             exe._graphs[key] = (timed, outs)

@@ -162,6 +162,31 @@ def test_launch_parameters_follow_the_binary_abi(arts):
         k.pack((x, w, out, 4, 1e-6), wrong)
 
 
+def test_a_launch_goes_on_torchs_current_stream_with_the_grid_padded_to_three_dims(arts, monkeypatch):
+    """BinaryKernel.run passes the driver the grid (padded with 1s), the block the binary was compiled for and the
+    raw handle of torch's current stream on the kernel's device (inside torch.cuda.graph: the capture stream);
+    an empty grid launches nothing. The driver and the stream lookup are stand-ins: no GPU here."""
+    index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
+    rec = index["kernels"][name]
+    launches = []
+
+    class Recorder(_NoDriver):
+        def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            launches.append(((gx, gy, gz), (bx, by, bz), shared, stream))
+            return 0
+
+    monkeypatch.setattr(KB, "_RAW_STREAM", lambda index: 7000 + index)
+    k = KB.BinaryKernel(name, rec, b"", Recorder(), torch.device("cuda", 3))
+    x, w, out = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), torch.empty(4, 64)
+    kw = {**rec["constexprs"], "num_warps": rec["num_warps"]}
+    k[(4,)](x, w, out, 4, 1e-6, **kw)
+    k[(2, 3)](x, w, out, 4, 1e-6, **kw)
+    k[(0,)](x, w, out, 4, 1e-6, **kw)
+    block = (rec["num_warps"] * rec["warp_size"], 1, 1)
+    assert launches == [((4, 1, 1), block, rec["shared"], 7003), ((2, 3, 1), block, rec["shared"], 7003)]
+
+
 @pytest.mark.parametrize("model,quantize", [("tiny-qwen3", "int4"), ("qwen3-moe", None)])
 def test_every_launch_the_program_makes_has_its_binary(tiny_dirs, tmp_path, monkeypatch, model, quantize):
     """A kernel shared by groups of different shapes is one module but several binaries (its constexprs

@@ -421,6 +421,27 @@ def test_the_waited_replay_host_cost_grows_with_the_models_attention_layers_from
     assert Curves.from_descriptor(raw).graph_step_us(1, 28) == pytest.approx(40.0)
 
 
+def test_a_deeper_model_pays_the_per_layer_slope_for_each_of_its_kv_cache_layers():
+    """The model's depth is its KV-cache layers, counted from the graph (here calibrate's own decode-step program
+    at 1 and 3 attention layers, each with a cache): the 3-layer graph pays two slopes more than the 1-layer one."""
+    import torch
+
+    from portlayer.backends.calibration_runner import one_decode_step
+
+    raw = synthetic("nvidia-h200", bandwidth=1000.0)
+    cal = copy.deepcopy(raw)
+    cal["calibration"] = {"graph_step": {"context": 16, "inputs": ["input_ids", "positions", "logits_indices"],
+                                         "points": [{"batch": 1, "layers": 1, "host_us": 40.0},
+                                                    {"batch": 1, "layers": 16, "host_us": 70.0}]}}  # 2 us / layer
+    extra = {}
+    for layers in (1, 3):
+        res = run_pipeline(one_decode_step((4, 2, 16), torch.float32, vocab=32, layers=layers), "nvidia-h200")
+        assert sum(1 for n in res.graph.nodes if n.op == "attention") == layers
+        extra[layers] = (predict(res.graph, res.plan, cal, "decode", batch=1, context=32).ms
+                         - predict(res.graph, res.plan, raw, "decode", batch=1, context=32).ms) * 1e3
+    assert extra[3] - extra[1] == pytest.approx(2 * 2.0, abs=1e-3)  # the output copies are the same size
+
+
 def test_each_input_the_calibrated_decode_step_lacked_costs_one_copy_call(gpu):
     """The calibrated decode-step program copies its inputs into the graph's static buffers; a graph with
     more inputs than it had pays one host copy call (the eager launch cost) per extra input, fewer saves one."""

@@ -55,7 +55,8 @@ class _Replayer:
                 o.copy_(r)
 
 
-def _decode_run(art, monkeypatch, replay: bool) -> tuple[list[torch.Tensor], list, list]:
+def _decode_run(art, monkeypatch, replay: bool, buckets: list[int], steps: tuple[int, ...]
+                ) -> tuple[list[torch.Tensor], list, list]:
     from portlayer.flatten.logits import feed_last_rows
     from portlayer.loaded import open_artifact
     from portlayer.runtime.validation import new_kv_cache, step_metadata
@@ -68,8 +69,8 @@ def _decode_run(art, monkeypatch, replay: bool) -> tuple[list[torch.Tensor], lis
     caches = new_kv_cache(graph, len(PROMPTS), longest, 16, torch.float32, "cpu")
     seen: list = []
     current = [0]
-    if replay:  # a 4-row bucket: steps of 4, 2, 3 and 1 sequences all replay the same graph
-        exe.use_graphs, exe.capture_sizes = True, [4]
+    if replay:  # every step replays the graph of its bucket (the smallest capture size that holds it)
+        exe.use_graphs, exe.capture_sizes = True, list(buckets)
 
         def capture(B, kv):  # noqa: N803
             r = _Replayer(exe, B, kv, seen, lambda: current[0])
@@ -87,7 +88,7 @@ def _decode_run(art, monkeypatch, replay: bool) -> tuple[list[torch.Tensor], lis
         feed_last_rows(feeds, names, md)
         exe.run(feeds, md, caches)  # the prefill: eager on both paths
         g = torch.Generator().manual_seed(1)
-        for t in (4, 2, 3, 1, 4):  # the first t sequences decode one token each
+        for t in steps:  # the first t sequences decode one token each
             current[0] = t
             ids = torch.randint(0, VOCAB, (t,), generator=g)
             md = step_metadata([1] * t, ctx[:t], block_size=16, max_len=longest, device="cpu")
@@ -99,12 +100,17 @@ def _decode_run(art, monkeypatch, replay: bool) -> tuple[list[torch.Tensor], lis
     return logits, caches, seen
 
 
-def test_a_shrinking_batch_replays_with_empty_padding_rows_and_equals_eager(artifact, monkeypatch):
-    eager, eager_caches, _ = _decode_run(artifact, monkeypatch, replay=False)
-    replayed, caches, seen = _decode_run(artifact, monkeypatch, replay=True)
-    assert [s[:2] for s in seen] == [(4, 4), (4, 2), (4, 3), (4, 1), (4, 4)], seen  # every step replayed
+@pytest.mark.parametrize("buckets,steps", [
+    ([4], (4, 2, 3, 1, 4)),  # one bucket: the batch shrinks and grows inside it
+    ([2, 4], (4, 1, 3, 2, 4)),  # two buckets: a step of the small one between steps of the large one
+])
+def test_a_changing_batch_replays_with_empty_padding_rows_and_equals_eager(artifact, monkeypatch, buckets, steps):
+    eager, eager_caches, _ = _decode_run(artifact, monkeypatch, False, buckets, steps)
+    replayed, caches, seen = _decode_run(artifact, monkeypatch, True, buckets, steps)
+    want = [(next(b for b in buckets if b >= t), t) for t in steps]
+    assert [s[:2] for s in seen] == want, seen  # every step replayed, each from its bucket's graph
     for bucket, t, slots, seq_lens in seen:
-        assert slots == [-1] * (bucket - t) and seq_lens == [0] * (bucket - t), (t, slots, seq_lens)
+        assert slots == [-1] * (bucket - t) and seq_lens == [0] * (bucket - t), (bucket, t, slots, seq_lens)
     for step, (a, b) in enumerate(zip(replayed, eager)):
         assert a.shape == b.shape, step
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"decode step {step}")
