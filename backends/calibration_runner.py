@@ -15,6 +15,7 @@ few-rows kernel (gemv) beats both becomes ``tuning.gemv_max_tokens``: the rules 
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -160,10 +161,15 @@ def _with_binaries(out: Path, desc: Any) -> Any | None:
     target = descriptor_target(desc)
     if target is None:
         return None
+    saved = dict(os.environ)  # the compile may point Triton at another ptxas: not for the rest of calibrate
     try:
         write_binaries(out, target[2], jobs=1)
     except Exception:  # noqa: BLE001 - a toolchain that cannot compile here: the kernels launch through the JIT
         return None
+    finally:
+        for k in set(os.environ) - set(saved):
+            del os.environ[k]
+        os.environ.update(saved)
     return read_directory(out, ("*.py", PROGRAM_LAYOUT, "kernels/*.py", BINARIES_INDEX, f"{BINARIES_DIR}/*"))
 
 
