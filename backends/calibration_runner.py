@@ -361,7 +361,7 @@ def one_decode_step(heads: tuple[int, int, int], dtype: torch.dtype, vocab: int 
     return b.graph
 
 
-def _device_behind_sleep(run: Callable[[], Any], dev: torch.device, iters: int) -> float:
+def device_behind_sleep(run: Callable[[], Any], dev: torch.device, iters: int) -> float:
     """Median device microseconds of ``run()`` queued behind a ~2 ms sleep kernel: the host has submitted
     everything before the device reaches it, so the events time the device alone."""
     times = []
@@ -423,7 +423,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
                     torch.cuda.synchronize(dev)
                     walls.append(time.perf_counter() - t0)
                 wall = sorted(walls)[len(walls) // 2] * 1e6
-                device = _device_behind_sleep(step, dev, 50)
+                device = device_behind_sleep(step, dev, 50)
                 points.append({"batch": batch, "layers": n_layers, "wall_us": sig(wall), "device_us": sig(device),
                                "host_us": sig(max(0.0, wall - device))})
     return {"context": context, "inputs": list(DECODE_INPUTS), "points": points} if points else None

@@ -287,6 +287,15 @@ class HostProgram:
         """The KV cache addresses a captured graph baked in (a graph replays only on the same caches)."""
         return tuple(c.data_ptr() for pair in kv_caches for c in pair)
 
+    @staticmethod
+    def _pad_from(s: SimpleNamespace, T: int) -> None:  # noqa: N803
+        """Make static rows ``T``.. read as empty sequences (slot -1, length 0): only the rows a larger step
+        wrote since the last reset are rewritten (``padded_from``: rows past it are empty already)."""
+        if s.padded_from > T:
+            s.slots[T : s.padded_from].fill_(-1)
+            s.seq_lens[T : s.padded_from].fill_(0)
+        s.padded_from = T
+
     def _replay(self, T: int, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata,  # noqa: N803
                 kv_caches: Any) -> list[torch.Tensor]:
         """Copy the step's inputs into the graph's static buffers and replay it. Every torch call here costs
@@ -302,10 +311,7 @@ class HostProgram:
             dst.copy_(feeds[k], non_blocking=True)
         slots.copy_(meta.slot_mapping, non_blocking=True)
         seq_lens.copy_(meta.seq_lens, non_blocking=True)
-        if s.padded_from > T:  # a larger step wrote rows T..: they must read as empty sequences again
-            s.slots[T : s.padded_from].fill_(-1)
-            s.seq_lens[T : s.padded_from].fill_(0)
-        s.padded_from = T
+        self._pad_from(s, T)
         w = meta.block_tables.shape[1]
         table = tables.get(w)
         if table is None:
@@ -323,11 +329,8 @@ class HostProgram:
         size: the static inputs hold no slot (-1) and no context, so nothing is written to the KV cache."""
         if not (self.use_graphs and kv_caches is not None):
             return 0
-        s = self._static_state(kv_caches)
-        if s.padded_from:  # replays ran before: their rows must not be captured (the warm-up would write KV there)
-            s.slots.fill_(-1)
-            s.seq_lens.zero_()
-            s.padded_from = 0
+        # replays ran before: their rows must not be captured (the warm-up would write KV there)
+        self._pad_from(self._static_state(kv_caches), 0)
         pointers = self._cache_pointers(kv_caches)
         for B in self.capture_sizes:  # noqa: N806
             if (B, pointers) not in self._graphs:

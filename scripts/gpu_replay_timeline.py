@@ -54,16 +54,24 @@ def _kernels(exe: Any, b: int, caches: Any, torch: Any) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def artifact_rows(path: str, batches: list[int], context: int) -> list[dict[str, Any]]:
+def _loaded(path: str) -> tuple[Any, Any, int, Any]:
+    """(the loaded artifact, its program, its KV block size, a seeded generator for decode_step)."""
     import torch
 
     import portlayer
-    from portlayer.bench import decode_step, kv_block_size
+    from portlayer.bench import kv_block_size
 
     loaded = portlayer.load(path)
-    exe = loaded.executable()
-    block = kv_block_size(loaded.plan)
-    g = torch.Generator().manual_seed(0)
+    return loaded, loaded.executable(), kv_block_size(loaded.plan), torch.Generator().manual_seed(0)
+
+
+def artifact_rows(path: str, batches: list[int], context: int) -> list[dict[str, Any]]:
+    import torch
+
+    from portlayer.backends.calibration_runner import device_behind_sleep
+    from portlayer.bench import decode_step
+
+    loaded, exe, block, g = _loaded(path)
     rows = []
     for b in batches:
         fd, md, caches = decode_step(loaded.graph, exe, b, context, block, g)
@@ -85,43 +93,38 @@ def artifact_rows(path: str, batches: list[int], context: int) -> list[dict[str,
                 pre.append(timed.t0 - t0)
                 call.append(timed.t1 - timed.t0)
                 post.append(t2 - timed.t1)
-            busy_call, dev = [], []
-            for _ in range(100):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(4_000_000)  # ~2 ms at 1.98 GHz: the host runs ahead of the device
-                e0.record()
-                exe.run(fd, md, caches)
-                e1.record()
+            busy_call: list[float] = []
+
+            def busy(fd: Any = fd, md: Any = md, caches: Any = caches, timed: _Timed = timed,
+                     busy_call: list[float] = busy_call) -> None:
+                exe.run(fd, md, caches)  # queued behind a ~2 ms sleep kernel: the host runs ahead of the device
                 busy_call.append(timed.t1 - timed.t0)
-                torch.cuda.synchronize()
-                dev.append(e0.elapsed_time(e1) / 1e3)
+
+            device = round(device_behind_sleep(busy, torch.device("cuda"), 100), 1)
             exe._graphs[key] = (graph, outs)
-        wall, device = _median_us(walls), _median_us(dev)
+        wall = _median_us(walls)
         rows.append({"artifact": path, "batch": b, "graph_batch": key[0], "context": context, "wall_us": wall,
                      "pre_replay_us": _median_us(pre), "replay_call_us": _median_us(call),
                      "post_replay_us": _median_us(post), "busy_replay_call_us": _median_us(busy_call),
                      "device_us": device, "serial_us": round(wall - device, 1), "kv_layers": len(caches)})
         print(json.dumps(rows[-1]), flush=True)
-        last = (key[0], caches)
+        last_caches = caches
     # after every timing: torch.profiler leaves CUPTI subscribed, and every later CUDA call in the process
     # pays for it (session 10: the replay call went from 19 to 235 us, the copies before it +40%)
     for row in rows:
-        row["kernels"] = _kernels(exe, row["graph_batch"], last[1], torch)
+        row["kernels"] = _kernels(exe, row["graph_batch"], last_caches, torch)
     print(json.dumps([{"batch": r["batch"], "kernels": r["kernels"]} for r in rows]), flush=True)
     return rows
 
 
 def line_rows(path: str, batches: list[int], context: int) -> list[dict[str, Any]]:
-    """Each statement of HostProgram._replay timed on its own (a copy of its body with a clock between)."""
+    """Each statement of session 9's HostProgram._replay timed on its own (a copy of that body with a clock
+    between; the measurement behind session 10's change, which slices once per size and pads only when needed)."""
     import torch
 
-    import portlayer
-    from portlayer.bench import decode_step, kv_block_size
+    from portlayer.bench import decode_step
 
-    loaded = portlayer.load(path)
-    exe = loaded.executable()
-    block = kv_block_size(loaded.plan)
-    g = torch.Generator().manual_seed(0)
+    loaded, exe, block, g = _loaded(path)
     rows = []
     for T in batches:  # noqa: N806
         feeds, meta, kv = decode_step(loaded.graph, exe, T, context, block, g)
