@@ -35,6 +35,7 @@ class GeneratedProgram:
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (group, reason)
     layout: dict[str, Any] = field(default_factory=dict)  # program.json (program_layout)
+    merged: dict[str, list[str]] = field(default_factory=dict)  # weights concatenated at load (GroupCode.merged)
     calls: list[str] = field(default_factory=list)  # vendor calls used (CANN)
 
     def kernel_sources(self) -> dict[str, str]:
@@ -64,14 +65,28 @@ def buffer_table(graph: Graph) -> dict[str, Any]:
     return {"arena_bytes": int(mp["arena_bytes"]), "max_tokens": int(mp["max_tokens"]), "buffers": out}
 
 
-def program_layout(graph: Graph, buffers: Mapping[str, Any], methods: Sequence[Any]) -> dict[str, Any]:
+def program_layout(graph: Graph, buffers: Mapping[str, Any], methods: Sequence[Any],
+                   merged: Mapping[str, list[str]] | None = None) -> dict[str, Any]:
     """program.json: what the host program allocates and binds, kept out of host.py so the program's
-    text does not grow with the model's depth (weights, arena buffers, per-layer namespaces)."""
-    return {"format": "portlayer-program/1", "params": {k: t.dtype for k, t in graph.params.items()},
-            "arena_bytes": int(buffers.get("arena_bytes", 0)), "max_tokens": int(buffers.get("max_tokens", 0)),
-            "buffers": dict(buffers.get("buffers", {})),
-            "layers": [{"method": m.name, "first": m.first, "last": m.last, "params": m.params,
-                        "buffers": m.buffers} for m in methods]}
+    text does not grow with the model's depth (weights, arena buffers, per-layer namespaces, and the
+    weights it concatenates when it loads)."""
+    out = {"format": "portlayer-program/1", "params": {k: t.dtype for k, t in graph.params.items()},
+           "arena_bytes": int(buffers.get("arena_bytes", 0)), "max_tokens": int(buffers.get("max_tokens", 0)),
+           "buffers": dict(buffers.get("buffers", {})),
+           "layers": [{"method": m.name, "first": m.first, "last": m.last, "params": m.params,
+                       "buffers": m.buffers} for m in methods]}
+    if merged:
+        out["merged_weights"] = {k: list(v) for k, v in merged.items()}
+    return out
+
+
+def _add_merged(out: GeneratedProgram, code: GroupCode, group: str, params: set[str]) -> None:
+    for name, parts in code.merged.items():
+        if name in params and out.merged.get(name) != parts:
+            raise Unlowerable(f"group {group} concatenates {parts} as {name}, a name already taken "
+                              f"(by {out.merged.get(name, 'a parameter')}); this is a bug in the lowering")
+        out.merged[name] = list(parts)
+        params.add(name)
 
 
 def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: LowerFn, buffered: set[str],
@@ -90,6 +105,7 @@ def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: Low
             lines += view_lower(ctx, KernelGroup(g.name, "torch.view", "view", g.pre_views[0].name, g.pre_views,
                                                  [], [])).lines
         code = lower(ctx, g) if g.nodes else GroupCode()
+        _add_merged(out, code, g.name, params)
         for v in code.buffers:
             if v not in buffered:
                 raise Unlowerable(f"group {g.name} ({g.impl}) writes {v}, which has no buffer in the memory plan; "
@@ -117,7 +133,8 @@ def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: Low
         ops = ", ".join(n.op for n in g.nodes) or ", ".join(n.op for n in members)
         blocks.append(Block(f"{g.anchor}: {g.impl} [{ops}]", weights_prefixed(lines, params), made,
                             list(dict.fromkeys(reads)),
-                            list(dict.fromkeys(i for n in members for i in n.inputs if i in params)), layer, kv))
+                            list(dict.fromkeys([*(i for n in members for i in n.inputs if i in params), *code.merged])),
+                            layer, kv))
     return blocks
 
 
@@ -129,9 +146,9 @@ def generate_program(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: 
     out = GeneratedProgram(host="")
     buffered = set(table.get("buffers", {}))
     blocks = _group_blocks(graph, ctx, lower, view_lower, buffered, out)
-    prog = (fold_layers(blocks, list(graph.outputs), buffered, set(graph.params)) if fold
+    prog = (fold_layers(blocks, list(graph.outputs), buffered, set(graph.params) | set(out.merged)) if fold
             else straight_line(blocks, list(graph.outputs)))
-    out.layout = program_layout(graph, table, prog.methods)
+    out.layout = program_layout(graph, table, prog.methods, out.merged)
     out.host = render(
         TEMPLATES[family], model=graph.meta.get("model_type", "model"), target=target, n_groups=len(blocks),
         kernels=sorted(out.kernel_sources()), inputs=[v.name for v in graph.inputs], outputs=prog.outputs,

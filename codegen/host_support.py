@@ -25,6 +25,25 @@ def W_T(w: torch.Tensor) -> torch.Tensor:  # noqa: N802 - reads like math in gen
     return w.t()
 
 
+def concatenate_weights(w: SimpleNamespace, merged: Mapping[str, Sequence[str]]) -> None:
+    """program.json's ``merged_weights``: each name becomes its parts concatenated along dim 0 (one vendor GEMM
+    reads them, codegen/kernels/gemm_merged.py), and each part a row-slice view of it, so the weights are held
+    once. Parts are checked before anything is changed: a program is only ever given its own layout."""
+    for name, parts in merged.items():
+        tensors = [getattr(w, p, None) for p in parts]
+        missing = [p for p, t in zip(parts, tensors) if t is None]
+        if missing or not parts:
+            raise KeyError(f"host program: merged weight {name} names parts {missing or parts} the weights lack")
+        if any(t.shape[1:] != tensors[0].shape[1:] or t.dtype != tensors[0].dtype for t in tensors):
+            raise ValueError(f"host program: merged weight {name}: parts {list(parts)} differ in dtype or trailing shape")
+        cat = torch.cat(tensors, dim=0)
+        setattr(w, name, cat)
+        start = 0
+        for p, t in zip(parts, tensors):
+            setattr(w, p, cat[start:start + t.shape[0]])
+            start += t.shape[0]
+
+
 def gemm_block_m(tokens: int, largest: int) -> int:
     """Row tile of the Triton GEMM: the smallest power of two >= tokens, in [16, largest]."""
     bm = 16
@@ -174,6 +193,7 @@ class HostProgram:
         from portlayer.codegen.weight_upload import upload
 
         self.W = SimpleNamespace(**upload(weights, {k: torch_dtype(dt) for k, dt in dtypes.items()}, self.device))
+        concatenate_weights(self.W, layout.get("merged_weights") or {})
         floats = [torch_dtype(d) for d in dtypes.values() if d.startswith(("float", "bfloat"))]
         self.dtype = floats[0] if floats else torch.float32
         if kernels is not None:

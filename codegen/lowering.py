@@ -37,11 +37,13 @@ class GroupQuery(Protocol):
 @dataclass
 class GroupCode:
     """A group's realisation: kernels to define, host statements, values the statements write
-    into planned memory (each must have a buffer in the memory plan)."""
+    into planned memory (each must have a buffer in the memory plan), and weights the program concatenates
+    when it loads (each part then a row-slice view of the concatenation)."""
 
     kernels: list[KernelSpec] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     buffers: list[str] = field(default_factory=list)
+    merged: dict[str, list[str]] = field(default_factory=dict)  # weights concatenated at load: name -> parts
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from portlayer.codegen.gemm_rule import merge_refusal
 from portlayer.flatten.ir import Graph, Node, TensorType, dtype_itemsize
 from portlayer.flatten.ops import get_op
 from portlayer.passes.cost_model_curves import Curves
@@ -198,11 +199,22 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             biggest = max(types[n.inputs[1]].nbytes({}) for n in compute
                           if n.op in ("linear", "linear_wq", "matmul") and len(n.inputs) > 1 and n.inputs[1] in types)
             path = _gemm_path(descriptor, rec, gemms[0][0], torch_family, biggest)
+            linears = [n for n in compute if get_op(n.op).kind == "gemm"]
+            merged = (path == "vendor" and not torch_family and rec.get("impl") == "triton.gemm" and len(linears) > 1
+                      and not merge_refusal(linears, types, graph.params))
             if path == "gemv":  # one few-rows launch reads every linear's weight (siblings / joint: N side by side)
                 m, k, _ = gemms[0]
                 # above gemv_max_tokens the tensor-core tier runs: its own calibrated timings where measured
                 tier = "gemv_dot" if m > int((descriptor.get("tuning") or {}).get("gemv_max_tokens", 0)) else "gemv"
                 dev_us = curves.gemm_us(m, k, sum(g[2] for g in gemms), flops=flops, nbytes=nbytes, dtype=dtype, path=tier)
+            elif merged:  # one vendor GEMM on the concatenated weights (codegen/kernels/gemm_merged.py)
+                m, k, _ = gemms[0]
+                dev_us = curves.gemm_us(m, k, sum(g[2] for g in gemms), flops=flops, nbytes=nbytes, dtype=dtype, path=path)
+                if not rec.get("epilogue"):  # siblings whose outputs leave: one launch copies the columns apart
+                    t = curves.memory_us(2 * sum(types[n.outputs[0].name].nbytes(b) for n in linears))
+                    dev_us += max(t, per_launch) if graphs else t
+                    launches += 1
+                    host_us += per_launch
             else:  # each linear is its own GEMM launch (codegen/kernels/gemm_group.py above the rows rule)
                 kn = sum(g[1] * g[2] for g in gemms)
                 times = [curves.gemm_us(*g, flops=flops * g[1] * g[2] / kn, nbytes=nbytes * g[1] * g[2] / kn,

@@ -261,8 +261,10 @@ def _by_rows(m: str, branches: list[tuple[int, list[str], str]], rest: list[str]
 
 def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> GroupCode:
     """A GEMM group's code: the few-rows kernel at decode sizes (gemm_rule), else the Triton or
-    the vendor GEMM; sibling linears share one few-rows launch and run one by one above it.
+    the vendor GEMM; sibling linears share one few-rows launch and, above it, one vendor GEMM on their
+    concatenated weights (gemm_merged.py; one by one where gemm_rule.merge_refusal says why not).
     ``few_rows=False``: only the kernels above the rule (a caller with its own few-rows kernel)."""
+    from portlayer.codegen.kernels.gemm_merged import can_merge, merged_siblings
     from portlayer.codegen.kernels.gemv_fused import sibling_gemv
 
     tiers = few_rows_tiers(ctx)
@@ -276,6 +278,11 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
         part = _build_one(ctx, one, few_rows=False)
         code.kernels += part.kernels
         rest += part.lines
+    m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
+    if can_merge(ctx, group.nodes):  # above the rules: one vendor GEMM on the concatenated weights
+        merged = merged_siblings(ctx, group.nodes, code)
+        limit = ctx.triton_gemm_max_tokens
+        rest = merged if limit <= 0 else _by_rows(m, [(limit, rest, "gemm_rule: the Triton GEMM wins at few rows")], merged)
     if not tiers or not few_rows:
         code.lines = rest
         return code
@@ -284,7 +291,6 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
         spec, few = sibling_gemv(ctx, group.nodes, None, dot=dot)
         code.kernels.append(spec)
         branches.append((limit, few, tier_why(dot, "one launch, ")))
-    m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     code.lines = _by_rows(m, branches, rest)
     return code
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from portlayer.codegen.expr import IndexContext, Unsupported, lower_chain
 from portlayer.codegen.kernels import gemm
 from portlayer.codegen.kernels.context import GenContext, host_numel
+from portlayer.codegen.kernels.gemm_merged import can_merge, merged_joint
 from portlayer.codegen.kernels.gemv_fused import joint_gemv, norm_prologue, sibling_gemv
 from portlayer.codegen.kernels.gemv_tiles import few_rows_tiers, tier_why
 from portlayer.codegen.kernels.reduction import build_reduction, split_row_norm
@@ -140,6 +141,23 @@ def _few_rows_ok(ctx: GenContext, linears: list[Node]) -> bool:
                                            and (cap <= 0 or ctx.types[n.inputs[1]].nbytes({}) <= cap) for n in linears)
 
 
+def _joint_one_by_one(ctx: GenContext, group: KernelGroup, parts: GemmParts, core_out: list[str]) -> GroupCode:
+    """Each linear its own GEMM, the epilogue after the one that feeds it first (no merge)."""
+    code = GroupCode()
+    owner = next((n for n in parts.linears if n.outputs[0].name in parts.epilogue[0].inputs), parts.linears[0])
+    for n in parts.linears:
+        if n is not owner:
+            one = gemm._build_one(ctx, _sub(group, n.name, [n], [n.outputs[0].name]), few_rows=False)
+            code.kernels += one.kernels
+            code.buffers += one.buffers
+            code.lines += one.lines
+    tail = gemm._build_one(ctx, _sub(group, owner.name, [owner, *parts.epilogue], core_out), few_rows=False)
+    code.kernels += tail.kernels
+    code.buffers += [b for b in tail.buffers if b not in code.buffers]
+    code.lines += tail.lines
+    return code
+
+
 def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
     """Both sides of the rows rule: one few-rows launch, else the parts as separate kernels."""
     parts = split_parts(group.nodes)
@@ -158,19 +176,24 @@ def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
         rest += norm.lines
         pro = norm_prologue(ctx, parts.prologue, group.outputs)
     core_out = [v for v in group.outputs if v not in code.buffers]
-    if joint:
-        owner = next((n for n in parts.linears if n.outputs[0].name in parts.epilogue[0].inputs), parts.linears[0])
-        for n in parts.linears:
-            if n is not owner:
-                one = gemm._build_one(ctx, _sub(group, n.name, [n], [n.outputs[0].name]), few_rows=False)
-                code.kernels += one.kernels
-                code.buffers += one.buffers
-                rest += one.lines
-        tail = gemm._build_one(ctx, _sub(group, owner.name, [owner, *parts.epilogue], core_out), few_rows=False)
+    if joint and can_merge(ctx, parts.linears):  # one vendor GEMM on the concatenated weights, then the epilogue
+        out_name = parts.epilogue[-1].outputs[0].name
+        tail = GroupCode(buffers=[out_name])
+        tail.lines = merged_joint(ctx, parts.linears, parts.epilogue, out_name, tail)
+        limit = ctx.triton_gemm_max_tokens
+        if limit > 0:  # below it the Triton GEMMs, one per linear, as without the merge
+            one = _joint_one_by_one(ctx, group, parts, core_out)
+            tail.kernels += one.kernels
+            tail.buffers += [b for b in one.buffers if b not in tail.buffers]
+            m = host_numel(ctx.types[parts.linears[0].inputs[0]].shape[:-1])
+            tail.lines = gemm._by_rows(m, [(limit, one.lines, "gemm_rule: the Triton GEMM wins at few rows")], tail.lines)
+    elif joint:
+        tail = _joint_one_by_one(ctx, group, parts, core_out)
     else:
         tail = gemm.build_gemm(ctx, _sub(group, "core", parts.core, core_out), few_rows=not pro)
     code.kernels += tail.kernels
     code.buffers += [b for b in tail.buffers if b not in code.buffers]
+    code.merged.update(tail.merged)
     rest += tail.lines
     if not pro and not joint:
         code.lines = rest
