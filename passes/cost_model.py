@@ -158,7 +158,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
         per_launch = curves.node_us
     step_host_us = 0.0
-    if not torch_family and not graphs and curves.generated_launch_us:  # eager generated kernels
+    eager_generated = not torch_family and not graphs and bool(curves.generated_launch_us)
+    if eager_generated:  # eager generated kernels
         per_launch = curves.generated_launch_us
         if curves.generated_kernel_us:  # one step's fixed host cost, then each kernel's
             per_launch = min(curves.generated_kernel_us, curves.generated_launch_us)
@@ -223,6 +224,9 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
                 if not torch_family:  # the torch family counted every node above
                     launches += len(gemms) - 1
                     launch_us = (n_launch + len(gemms) - 1) * per_launch  # a program line each: launch, views
+            if path == "vendor" and eager_generated:  # the host dispatches a torch op per vendor GEMM, not a
+                # generated kernel's launch: priced at the calibrated eager torch-op launch
+                launch_us = (1 if merged else len(gemms)) * curves.launch_us
             for part in ([] if torch_family else _unfused_parts(rec, by_name, types, b, path)):
                 # what the GEMM path at these rows cannot absorb runs as its own kernel (codegen/kernels/gemm_group.py)
                 t = curves.memory_us(part)

@@ -266,6 +266,12 @@ def _program_launches(result, batch: int, tmp) -> int:
     """Kernels the generated host program launches for one decode step of ``batch`` sequences, counted
     by running it (Triton interpreter): every Triton launch through its kernel namespace, every vendor
     GEMM as the aten matmul it dispatches."""
+    return sum(_program_counts(result, [1] * batch, [16] * batch, tmp))
+
+
+def _program_counts(result, lens: list[int], context: list[int], tmp) -> tuple[int, int]:
+    """(Triton launches, vendor GEMMs) of one step of sequences with ``lens`` new tokens over ``context``
+    cached ones, counted by running the generated program under the Triton interpreter."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -276,7 +282,7 @@ def _program_launches(result, batch: int, tmp) -> int:
 
     write_program(generate(result.graph, result.plan, result.descriptor), tmp)
     prog = load_program(tmp, result.graph.weights, "cpu", result.plan, use_graphs=False)
-    count = [0]
+    count, vendor = [0], [0]
 
     class Counted:
         def __init__(self, kernel):
@@ -297,13 +303,13 @@ def _program_launches(result, batch: int, tmp) -> int:
     class VendorGemms(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"):
-                count[0] += 1
+                vendor[0] += 1
             return func(*args, **(kwargs or {}))
 
-    feeds, md, caches = _step_inputs(result.graph, [1] * batch, [16] * batch, 16, torch.float32, torch.device("cpu"))
+    feeds, md, caches = _step_inputs(result.graph, lens, context, 16, torch.float32, torch.device("cpu"))
     with torch.inference_mode(), VendorGemms():
         prog.run(feeds, md, caches)
-    return count[0]
+    return count[0], vendor[0]
 
 
 def test_predicted_launches_are_the_generated_programs_at_one_and_many_rows(tmp_path):
@@ -325,18 +331,21 @@ def test_predicted_launches_are_the_generated_programs_at_one_and_many_rows(tmp_
         assert predicted == _program_launches(fp32, batch, tmp_path / f"b{batch}"), batch
 
 
-def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(gpu):
+def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(tmp_path):
     """Calibration times an eager one-kernel and two-kernel generated program: the step's host time is the
-    one-kernel step plus the difference for every further kernel (not the whole step per kernel); at 8 rows
-    every linear is its own GEMM launch (counted from the graph: at least one launch per linear node)."""
+    one-kernel step plus the difference for every further kernel (not the whole step per kernel), and each
+    vendor GEMM the host dispatches as a torch op costs the calibrated eager torch-op launch; the launches and
+    vendor GEMMs of an 8-token prefill are counted by running the generated program."""
+    fp32 = run_pipeline(tiny_decoder(tied=False), "nvidia-h200", overrides={"compute_dtype": "float32"})
+    kernels, vendor = _program_counts(fp32, [8], [0], tmp_path / "p8")
     raw = synthetic("nvidia-h200", bandwidth=1e12, tflops=1e12)
     raw["calibration"] = {"launch_us": {"eager_us": 5.0, "triton_us": 60.0, "triton_kernel_us": 10.0}}
-    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
-    assert not p.graphs and p.host_ms == pytest.approx((50.0 + 10.0 * p.launches) / 1e3, rel=1e-6)
-    assert p.launches >= sum(1 for n in gpu.graph.nodes if n.op == "linear")
+    p = predict(fp32.graph, fp32.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
+    assert not p.graphs and p.launches == kernels + vendor and vendor > 0
+    assert p.host_ms == pytest.approx((50.0 + 10.0 * kernels + 5.0 * vendor) / 1e3, rel=1e-6)
     del raw["calibration"]["launch_us"]["triton_kernel_us"]
-    p = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=8)
-    assert p.host_ms == pytest.approx(60.0 * p.launches / 1e3, rel=1e-6)
+    p = predict(fp32.graph, fp32.plan, raw, "prefill", tokens=8)
+    assert p.host_ms == pytest.approx((60.0 * kernels + 5.0 * vendor) / 1e3, rel=1e-6)
 
 
 def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
