@@ -28,7 +28,10 @@ def W_T(w: torch.Tensor) -> torch.Tensor:  # noqa: N802 - reads like math in gen
 def concatenate_weights(w: SimpleNamespace, merged: Mapping[str, Sequence[str]]) -> None:
     """program.json's ``merged_weights``: each name becomes its parts concatenated along dim 0 (one vendor GEMM
     reads them, codegen/kernels/gemm_merged.py), and each part a row-slice view of it, so the weights are held
-    once. Parts are checked before anything is changed: a program is only ever given its own layout."""
+    once. Each entry's parts are checked before it changes anything."""
+    if not isinstance(merged, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(p, str) for p in v) for k, v in merged.items()):
+        raise ValueError("program.json: merged_weights is not a {name: [part names]} table; recompile the artifact")
     for name, parts in merged.items():
         tensors = [getattr(w, p, None) for p in parts]
         missing = [p for p, t in zip(parts, tensors) if t is None]

@@ -84,6 +84,8 @@ def test_concatenate_weights_makes_views_and_refuses_missing_parts():
     with pytest.raises(KeyError, match="lack"):
         concatenate_weights(untouched, {"a_cat2": ["a", "missing"]})
     assert untouched.a is a and not hasattr(untouched, "a_cat2")
+    with pytest.raises(ValueError, match="table"):
+        concatenate_weights(SimpleNamespace(a=a), {"a_cat2": "a"})
     with pytest.raises(ValueError, match="differ"):
         concatenate_weights(SimpleNamespace(a=a, c=torch.zeros(2, 4)), {"a_cat2": ["a", "c"]})
 
