@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,20 @@ def parse_target(text: str) -> tuple[str, Any, int]:
     return t[2]
 
 
+#: Every pointer argument of a shipped binary is compiled as POINTER_ALIGN-byte aligned, as Triton's JIT
+#: specializes a launch whose tensors are (tt.divisibility 16): without it every load and store of the
+#: binary is scalar (2-byte ld.global.b16 in the bf16 GEMV, attention and norm kernels, checked in the PTX),
+#: where the JIT emits 16-byte vector accesses. The launcher checks each launch's pointers
+#: (codegen/kernel_binaries.py) and runs the JIT kernel for one that is not aligned.
+POINTER_ALIGN = 16
+
+
+def pointer_attrs(signature: Mapping[str, str]) -> dict[tuple[int, ...], list[list[Any]]]:
+    """ASTSource ``attrs``: each pointer parameter (by position) divisible by POINTER_ALIGN bytes."""
+    return {(i,): [["tt.divisibility", POINTER_ALIGN]] for i, t in enumerate(signature.values())
+            if str(t).startswith("*")}
+
+
 def _module(path: Path):
     """Execute one kernel module from its bytes (read once; no import, no bytecode in the artifact)."""
     from portlayer.codegen.source_loader import module_name, read_directory
@@ -114,7 +129,8 @@ def compile_artifact(artifact: Path, targets: list[tuple[str, Any, int]]) -> lis
             t0 = time.time()
             row: dict[str, Any] = {"kernel": name, "target": f"{backend}:{arch}:{warp}"}
             try:
-                src = triton.compiler.ASTSource(fn, signature=sig, constexprs=dict(k["constexprs"]))
+                src = triton.compiler.ASTSource(fn, signature=sig, constexprs=dict(k["constexprs"]),
+                                                attrs=pointer_attrs(sig))
                 c = triton.compile(src, target=GPUTarget(backend, arch, warp),
                                    options={"num_warps": k["num_warps"], "num_stages": k["num_stages"]})
                 binary = c.asm[BINARY[backend]]
@@ -228,7 +244,7 @@ def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> 
             opts["ptx_version"] = _ptx_version(int(arch))
     mod = _module(art / "kernels" / f"{k['module']}.py")
     src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=dict(k["signature"]),
-                                    constexprs=dict(k["constexprs"]))
+                                    constexprs=dict(k["constexprs"]), attrs=pointer_attrs(k["signature"]))
     c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=opts)
     md = c.metadata
     binary = c.asm[BINARY[backend]]
@@ -247,7 +263,7 @@ def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> 
             "global_scratch_align": getattr(md, "global_scratch_align", 1) or 1,
             "profile_scratch_size": getattr(md, "profile_scratch_size", 0) or 0, "params": params,
             "args": [[a, t] for a, t in k["signature"].items()],  # a list: argument ORDER is the launch ABI
-            "constexprs": k["constexprs"], "seconds": round(time.time() - t0, 3)}
+            "constexprs": k["constexprs"], "pointer_align": POINTER_ALIGN, "seconds": round(time.time() - t0, 3)}
 
 
 def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | None = None) -> dict[str, Any]:

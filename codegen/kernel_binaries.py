@@ -138,8 +138,14 @@ class BinaryKernel:
     """``kernel[grid](*args, **constexprs)`` for one precompiled kernel: the call syntax of a Triton JIT
     function, launching the verified binary through the driver."""
 
-    def __init__(self, name: str, rec: Mapping[str, Any], image: bytes, driver: _Driver, device: torch.device) -> None:
+    def __init__(self, name: str, rec: Mapping[str, Any], image: bytes, driver: _Driver, device: torch.device,
+                 fallback: Any = None) -> None:
         self.name, self.rec, self.device, self.driver = name, rec, device, driver
+        # the binary assumes every pointer argument aligned to this many bytes (codegen/aot.POINTER_ALIGN; 0 or
+        # absent: an older artifact's unspecialized binary); a launch that breaks it runs ``fallback`` (the JIT)
+        self.align_mask = max(0, int(rec.get("pointer_align") or 0) - 1)
+        self.fallback = fallback
+        self.unaligned_launches = 0
         self.runtime, self.types, self.n_scratch = check_abi(name, rec)
         self.constexprs = dict(rec["constexprs"])
         self.block = int(rec["num_warps"]) * int(rec["warp_size"])
@@ -194,7 +200,9 @@ class BinaryKernel:
         gx, gy, gz = int(grid[0]), int(grid[1]) if n > 1 else 1, int(grid[2]) if n > 2 else 1
         if gx * gy * gz == 0:
             return
-        self.fill(args, kwargs, gx * gy * gz)
+        if self.fill(args, kwargs, gx * gy * gz):
+            self._unaligned(grid, args, kwargs)
+            return
         # the raw handle of torch's current stream (the capture stream inside torch.cuda.graph): one C call;
         # torch.cuda.current_stream() builds a Stream object and resolves the device twice (~1/3 of an eager
         # launch's host time on the H200 host, session 10's profile of a 128-token prefill)
@@ -203,16 +211,34 @@ class BinaryKernel:
         if rc:
             self.driver.check(rc, f"launch of {self.name}")
 
-    def fill(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> None:
-        """Write this launch's arguments into the persistent parameter holders (see ``_setup_params``)."""
+    def fill(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> int:
+        """Write this launch's arguments into the persistent parameter holders (see ``_setup_params``);
+        returns the OR of the pointers' misalignment (non-zero: a pointer breaks the binary's alignment)."""
         values = self._bind(args, kwargs)
+        bad = 0
         for h, v, ptr in zip(self._holders, values, self._pointer):
             if ptr:
                 h.value = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
+                bad |= h.value
             else:
                 h.value = v.item() if isinstance(v, torch.Tensor) else v
         if self._scratch_size:
             self._holders[len(values)].value = self._scratch_ptr(programs)
+        return bad & self.align_mask
+
+    def _unaligned(self, grid: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """A pointer the binary assumes aligned is not: Triton's JIT specializes this launch itself."""
+        if self.fallback is None:
+            raise KernelBinaryError(f"{self.name}: a pointer argument is not {self.align_mask + 1}-byte aligned, which "
+                                    "its binary assumes, and no kernel source is loaded to JIT it; recompile with "
+                                    "--sources-only")
+        if not self.unaligned_launches:
+            import warnings
+
+            warnings.warn(f"{self.name}: launched with a pointer not {self.align_mask + 1}-byte aligned; this and "
+                          "later such launches run the Triton JIT kernel instead of the binary", stacklevel=3)
+        self.unaligned_launches += 1
+        self.fallback[grid](*args, **kwargs)
 
     def pack(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> list[Any]:
         """The kernel parameters as ctypes values, in the binary's order: runtime arguments, then scratch
@@ -327,7 +353,7 @@ def bind(fns: Mapping[str, Any], sources: Any, device: torch.device | str | None
         for name, rec in index["kernels"].items():
             if name not in out:
                 continue
-            kernels = [BinaryKernel(name, r, sources.read(r["file"]), drv, device)
+            kernels = [BinaryKernel(name, r, sources.read(r["file"]), drv, device, fallback=out[name])
                        for r in (rec, *rec.get("variants", ()))]
             out[name] = kernels[0] if len(kernels) == 1 else BinaryVariants(name, kernels)
     return out

@@ -234,3 +234,73 @@ def test_every_launch_the_program_makes_has_its_binary(tiny_dirs, tmp_path, monk
     name, some = next((n, c) for n, c in configs.items() if len(c) > 1)
     with pytest.raises(KB.KernelBinaryError, match="compiled for"):
         KB.match_launch(name, some, {c: -1 for c in some[0]["constexprs"]})
+
+
+def test_a_pointer_the_binary_assumes_aligned_but_is_not_runs_the_jit_kernel(arts, monkeypatch):
+    """Shipped binaries are compiled with every pointer 16-byte aligned (codegen/aot.POINTER_ALIGN, as Triton's JIT
+    specializes aligned tensors); a launch whose tensor is a view 2 bytes in goes to the JIT kernel with the same
+    grid and arguments (warned once), an aligned one to the binary. Stand-in driver and JIT: no GPU here."""
+    index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
+    rec = index["kernels"][name]
+    assert rec["pointer_align"] == 16
+    launches, jit = [], []
+
+    class Recorder(_NoDriver):
+        def launch(self, fn, gx, gy, gz, *rest):
+            launches.append((gx, gy, gz))
+            return 0
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: jit.append((grid, a, kw))
+
+    monkeypatch.setattr(KB, "_RAW_STREAM", lambda index: 0)
+    k = KB.BinaryKernel(name, rec, b"", Recorder(), torch.device("cuda", 0), fallback=Jit())
+    x, w = torch.zeros(4, 65, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    out = torch.empty(4, 64)
+    kw = {**rec["constexprs"], "num_warps": rec["num_warps"]}
+    k[(4,)](x[:, :64], w, out, 4, 1e-6, **kw)
+    assert launches == [(4, 1, 1)] and not jit
+    shifted = x.view(-1)[1:257].view(4, 64)  # 2 bytes past a 16-byte boundary
+    with pytest.warns(UserWarning, match="not 16-byte aligned"):
+        k[(4,)](shifted, w, out, 4, 1e-6, **kw)
+    k[(4,)](shifted, w, out, 4, 1e-6, **kw)
+    assert launches == [(4, 1, 1)] and len(jit) == 2 and jit[0][0] == (4,) and jit[0][1][0] is shifted
+    old = {k2: v for k2, v in rec.items() if k2 != "pointer_align"}  # an older artifact: nothing assumed
+    KB.BinaryKernel(name, old, b"", Recorder(), torch.device("cuda", 0))[(4,)](shifted, w, out, 4, 1e-6, **kw)
+    assert launches[-1] == (4, 1, 1) and len(jit) == 2
+
+
+def test_shipped_binaries_use_vector_loads_where_the_jit_would():
+    """The aligned-pointer specialization is what makes Triton emit 16-byte loads: the generated rms_norm kernel
+    compiled for sm_90 as codegen/aot compiles a binary reads rows with ld.global.v4, without it with 2-byte loads
+    (compiled in a child process: Triton compiles nothing under the interpreter these tests run in)."""
+    import os
+    import sys
+
+    path = Path(__file__).parent / "golden" / "triton" / "reduction_rms_norm_bf16.py"  # the generated kernel
+    code = f"""
+import importlib.util, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from portlayer.codegen.aot import pointer_attrs
+spec = importlib.util.spec_from_file_location("golden_rms_norm", {str(path)!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+fn = getattr(mod, re.search(r"^def (\\w+)\\(", open({str(path)!r}).read(), re.M).group(1))
+sig = {{"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", "eps": "fp32",
+       "N": "constexpr", "BLOCK_N": "constexpr"}}
+out = {{}}
+for attrs in (None, pointer_attrs(sig)):
+    c = triton.compile(triton.compiler.ASTSource(fn, signature=sig, constexprs={{"N": 1024, "BLOCK_N": 1024}},
+                       attrs=attrs), target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": 1}})
+    out[str(attrs is not None)] = re.findall(r"ld\\.global[\\w.]*", c.asm["ptx"])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loads = json.loads(r.stdout.strip().splitlines()[-1])
+    assert any(".v4" in ld for ld in loads["True"]), loads["True"]
+    assert not any(".v4" in ld for ld in loads["False"]), loads["False"]
