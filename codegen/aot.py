@@ -93,7 +93,7 @@ def parse_target(text: str) -> tuple[str, Any, int]:
     return t[2]
 
 
-#: Every pointer argument of a shipped binary is compiled as POINTER_ALIGN-byte aligned, as Triton's JIT
+#: Every float-tensor pointer argument of a shipped binary is compiled as POINTER_ALIGN-byte aligned, as Triton's JIT
 #: specializes a launch whose tensors are (tt.divisibility 16): without it every load and store of the
 #: binary is scalar (2-byte ld.global.b16 in the bf16 GEMV, attention and norm kernels, checked in the PTX),
 #: where the JIT emits 16-byte vector accesses. The launcher checks each launch's pointers
@@ -102,9 +102,12 @@ POINTER_ALIGN = 16
 
 
 def pointer_attrs(signature: Mapping[str, str]) -> dict[tuple[int, ...], list[list[Any]]]:
-    """ASTSource ``attrs``: each pointer parameter (by position) divisible by POINTER_ALIGN bytes."""
+    """ASTSource ``attrs``: each float-tensor pointer parameter (by position) divisible by POINTER_ALIGN bytes
+    (kernel_binaries.assumes_aligned: integer index arrays arrive as slices at any offset)."""
+    from portlayer.codegen.kernel_binaries import assumes_aligned
+
     return {(i,): [["tt.divisibility", POINTER_ALIGN]] for i, t in enumerate(signature.values())
-            if str(t).startswith("*")}
+            if assumes_aligned(str(t))}
 
 
 def _module(path: Path):

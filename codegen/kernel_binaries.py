@@ -39,6 +39,18 @@ _WIDTH = {"u8": 8, "b8": 8, "s8": 8, "u16": 16, "b16": 16, "s16": 16, "u32": 32,
           "u64": 64, "b64": 64, "s64": 64, "f64": 64, "ptr": 64}
 
 
+#: element types whose pointer arguments a shipped binary assumes aligned (codegen/aot.pointer_attrs): the
+#: tensors a kernel streams (activations, weights, KV caches). Integer index arrays (positions, slot
+#: mappings, block tables, sequence lengths) are read one element a program, and the runtime hands kernels
+#: slices of them at any element offset, so their pointers are not assumed aligned.
+ALIGNED_ELEMENTS = frozenset({"bf16", "fp16", "fp32", "fp64", "fp8e4nv", "fp8e5", "fp8e4b15", "fp8e4b8", "fp8e5b16"})
+
+
+def assumes_aligned(arg_type: str) -> bool:
+    """Whether a binary is compiled assuming a kernel argument of this signature type is 16-byte aligned."""
+    return arg_type.startswith("*") and arg_type[1:] in ALIGNED_ELEMENTS
+
+
 class KernelBinaryError(PortlayerError):
     """The artifact's kernel binaries do not fit this device or driver, or could not be loaded or launched."""
 
@@ -163,6 +175,7 @@ class BinaryKernel:
         Python instead of ~38 (building ~15 ctypes objects each time; measured on this CPU). Launches of
         one kernel come from one thread (the engine's), so the holders are never written concurrently."""
         self._pointer = [t.startswith("*") for t in self.types]
+        self._aligned = [assumes_aligned(t) and self.align_mask > 0 for t in self.types]
         self._holders: list[Any] = [ctypes.c_uint64() if p else _SCALAR[t]() for p, t in zip(self._pointer, self.types)]
         self._holders += [ctypes.c_uint64() for _ in range(self.n_scratch)]
         self._params = (ctypes.c_void_p * len(self._holders))(*[ctypes.addressof(h) for h in self._holders])
@@ -213,13 +226,14 @@ class BinaryKernel:
 
     def fill(self, args: tuple, kwargs: Mapping[str, Any], programs: int = 1) -> int:
         """Write this launch's arguments into the persistent parameter holders (see ``_setup_params``);
-        returns the OR of the pointers' misalignment (non-zero: a pointer breaks the binary's alignment)."""
+        returns the OR of the assumed-aligned pointers' misalignment (non-zero: one breaks the binary's assumption)."""
         values = self._bind(args, kwargs)
         bad = 0
-        for h, v, ptr in zip(self._holders, values, self._pointer):
+        for h, v, ptr, aligned in zip(self._holders, values, self._pointer, self._aligned):
             if ptr:
                 h.value = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
-                bad |= h.value
+                if aligned:
+                    bad |= h.value
             else:
                 h.value = v.item() if isinstance(v, torch.Tensor) else v
         if self._scratch_size:

@@ -237,13 +237,15 @@ def test_every_launch_the_program_makes_has_its_binary(tiny_dirs, tmp_path, monk
 
 
 def test_a_pointer_the_binary_assumes_aligned_but_is_not_runs_the_jit_kernel(arts, monkeypatch):
-    """Shipped binaries are compiled with every pointer 16-byte aligned (codegen/aot.POINTER_ALIGN, as Triton's JIT
-    specializes aligned tensors); a launch whose tensor is a view 2 bytes in goes to the JIT kernel with the same
+    """Shipped binaries are compiled with every float-tensor pointer 16-byte aligned (codegen/aot.POINTER_ALIGN, as
+    Triton's JIT specializes aligned tensors; integer index arrays are not assumed aligned); a launch whose tensor is a view 2 bytes in goes to the JIT kernel with the same
     grid and arguments (warned once), an aligned one to the binary. Stand-in driver and JIT: no GPU here."""
     index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
     name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
     rec = index["kernels"][name]
     assert rec["pointer_align"] == 16
+    assert KB.assumes_aligned("*bf16") and KB.assumes_aligned("*fp32") and not KB.assumes_aligned("*i32")
+    assert not KB.assumes_aligned("*i64") and not KB.assumes_aligned("i32")  # index arrays arrive as slices
     launches, jit = [], []
 
     class Recorder(_NoDriver):
