@@ -95,14 +95,13 @@ def merge_refusal(linears: Sequence[Any], types: Mapping[str, Any], params: Coll
         t = types[w]
         if w0 is None or t.rank != 2 or t.dtype != w0.dtype or t.shape[1] != w0.shape[1] or not isinstance(t.shape[0], int):
             return f"{n.name}'s weight {t} differs in dtype or K from {w0}, or is not [N, K]"
+        if (offset * int(t.shape[1]) * dtype_itemsize(t.dtype)) % MERGE_ALIGN:
+            return f"{n.name}'s rows would start at a byte offset not {MERGE_ALIGN}-aligned in the concatenation"
         if has_bias[0]:
             b = n.inputs[2]
             if b not in params or b not in types or types[b].dtype != types[linears[0].inputs[2]].dtype:
                 return f"{n.name}'s bias {b} is not a parameter of the first bias's dtype"
-        if (offset * int(t.shape[1]) * dtype_itemsize(t.dtype)) % MERGE_ALIGN:
-            return f"{n.name}'s rows would start at a byte offset not {MERGE_ALIGN}-aligned in the concatenation"
-        if has_bias[0]:
-            if (offset * dtype_itemsize(types[n.inputs[2]].dtype)) % MERGE_ALIGN:
+            if (offset * dtype_itemsize(types[b].dtype)) % MERGE_ALIGN:
                 return f"{n.name}'s bias would start at a byte offset not {MERGE_ALIGN}-aligned"
         offset += int(t.shape[0])
     return ""

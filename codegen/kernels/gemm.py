@@ -264,7 +264,7 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
     the vendor GEMM; sibling linears share one few-rows launch and, above it, one vendor GEMM on their
     concatenated weights (gemm_merged.py; one by one where gemm_rule.merge_refusal says why not).
     ``few_rows=False``: only the kernels above the rule (a caller with its own few-rows kernel)."""
-    from portlayer.codegen.kernels.gemm_merged import can_merge, merged_siblings
+    from portlayer.codegen.kernels.gemm_merged import above_rule, can_merge, merged_siblings
     from portlayer.codegen.kernels.gemv_fused import sibling_gemv
 
     tiers = few_rows_tiers(ctx)
@@ -280,9 +280,7 @@ def build_gemm(ctx: GenContext, group: KernelGroup, few_rows: bool = True) -> Gr
         rest += part.lines
     m = host_numel(ctx.types[group.nodes[0].inputs[0]].shape[:-1])
     if can_merge(ctx, group.nodes):  # above the rules: one vendor GEMM on the concatenated weights
-        merged = merged_siblings(ctx, group.nodes, code)
-        limit = ctx.triton_gemm_max_tokens
-        rest = merged if limit <= 0 else _by_rows(m, [(limit, rest, "gemm_rule: the Triton GEMM wins at few rows")], merged)
+        rest = above_rule(ctx, m, rest, merged_siblings(ctx, group.nodes, code))
     if not tiers or not few_rows:
         code.lines = rest
         return code

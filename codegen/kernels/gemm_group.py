@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from portlayer.codegen.expr import IndexContext, Unsupported, lower_chain
 from portlayer.codegen.kernels import gemm
 from portlayer.codegen.kernels.context import GenContext, host_numel
-from portlayer.codegen.kernels.gemm_merged import can_merge, merged_joint
+from portlayer.codegen.kernels.gemm_merged import above_rule, can_merge, merged_joint
 from portlayer.codegen.kernels.gemv_fused import joint_gemv, norm_prologue, sibling_gemv
 from portlayer.codegen.kernels.gemv_tiles import few_rows_tiers, tier_why
 from portlayer.codegen.kernels.reduction import build_reduction, split_row_norm
@@ -179,14 +179,11 @@ def build_gemm_group(ctx: GenContext, group: KernelGroup) -> GroupCode:
     if joint and can_merge(ctx, parts.linears):  # one vendor GEMM on the concatenated weights, then the epilogue
         out_name = parts.epilogue[-1].outputs[0].name
         tail = GroupCode(buffers=[out_name])
-        tail.lines = merged_joint(ctx, parts.linears, parts.epilogue, out_name, tail)
-        limit = ctx.triton_gemm_max_tokens
-        if limit > 0:  # below it the Triton GEMMs, one per linear, as without the merge
-            one = _joint_one_by_one(ctx, group, parts, core_out)
-            tail.kernels += one.kernels
-            tail.buffers += [b for b in one.buffers if b not in tail.buffers]
-            m = host_numel(ctx.types[parts.linears[0].inputs[0]].shape[:-1])
-            tail.lines = gemm._by_rows(m, [(limit, one.lines, "gemm_rule: the Triton GEMM wins at few rows")], tail.lines)
+        merged = merged_joint(ctx, parts.linears, parts.epilogue, out_name, tail)
+        one = _joint_one_by_one(ctx, group, parts, core_out) if ctx.triton_gemm_max_tokens > 0 else GroupCode()
+        tail.kernels += one.kernels
+        tail.buffers += [b for b in one.buffers if b not in tail.buffers]
+        tail.lines = above_rule(ctx, host_numel(ctx.types[parts.linears[0].inputs[0]].shape[:-1]), one.lines, merged)
     elif joint:
         tail = _joint_one_by_one(ctx, group, parts, core_out)
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from portlayer.codegen.expr import IndexContext, load_line, lower_chain
 from portlayer.codegen.gemm_rule import merge_refusal, merged_name
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel
+from portlayer.codegen.kernels.gemm_quant import bias_of
 from portlayer.codegen.lowering import GroupCode
 from portlayer.codegen.spec import Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
@@ -25,7 +26,18 @@ TMP = "cat_tmp"  # the step's [rows, sum N] GEMM output; freed after the group (
 
 
 def can_merge(ctx: GenContext, linears: list[Node]) -> bool:
-    return not merge_refusal(linears, ctx.types, ctx.graph.params)
+    """The merge rule's answer, on a target whose vendor GEMM runs at some row count (a
+    ``tuning.triton_gemm_max_tokens`` of 2**30 or more runs the Triton GEMMs at every row count)."""
+    return ctx.triton_gemm_max_tokens < 1 << 30 and not merge_refusal(linears, ctx.types, ctx.graph.params)
+
+
+def above_rule(ctx: GenContext, rows: str, one_by_one: list[str], merged: list[str]) -> list[str]:
+    """Above the few-rows rule: the merged vendor GEMM, and below ``tuning.triton_gemm_max_tokens`` rows the
+    linears' Triton GEMMs one by one (``one_by_one``), as without the merge."""
+    from portlayer.codegen.kernels.gemm import _by_rows
+
+    limit = ctx.triton_gemm_max_tokens
+    return merged if limit <= 0 else _by_rows(rows, [(limit, one_by_one, "gemm_rule: the Triton GEMM wins at few rows")], merged)
 
 
 def _gemm_lines(ctx: GenContext, linears: list[Node], code: GroupCode) -> list[str]:
@@ -34,8 +46,8 @@ def _gemm_lines(ctx: GenContext, linears: list[Node], code: GroupCode) -> list[s
     weights = [n.inputs[1] for n in linears]
     w = merged_name(weights)
     code.merged[w] = weights
-    if len(linears[0].inputs) > 2 and linears[0].inputs[2] is not None:
-        biases = [n.inputs[2] for n in linears]
+    if bias_of(linears[0]):  # merge_refusal: all linears have one, or none
+        biases = [bias_of(n) for n in linears]
         b = merged_name(biases)
         code.merged[b] = biases
         return [f"{TMP} = torch.addmm({b}, {x}, W_T({w}))  # {' | '.join(n.name for n in linears)}: one GEMM"]
