@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_harness import h200_few_sms, tiny_causal_lm, use_interpreter
-
-import portlayer
+from triton_harness import compiled_fp32, h200_few_sms, tiny_causal_lm, use_interpreter
 
 pytestmark = pytest.mark.interpreter
 
@@ -24,18 +22,10 @@ PROMPTS = [[5, 17, 42, 9, 3], [7, 8, 9], [60, 1, 33], [11, 12, 13, 14]]
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    from portlayer.flatten.tokenizer import write_byte_tokenizer
-
     root = tmp_path_factory.mktemp("replay-inputs")
     model = tiny_causal_lm("Qwen3Config", "Qwen3ForCausalLM", VOCAB, 2, hidden_size=48, intermediate_size=72,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    src = root / "qwen3"
-    model.save_pretrained(str(src))
-    write_byte_tokenizer(src, vocab_size=VOCAB)
-    art = root / "qwen3-h200"
-    portlayer.compile(str(src), target=str(h200_few_sms(root)), dtype="float32", output=art, progress=False,
-                      sources_only=True, verify=False)
-    return art
+    return compiled_fp32(model, root, VOCAB, h200_few_sms(root), "qwen3-h200")
 
 
 class _Replayer:

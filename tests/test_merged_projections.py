@@ -15,9 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_harness import h200_few_sms, interpreted_decode_step, rel_err, tiny_causal_lm
+from triton_harness import compiled_fp32, h200_few_sms, interpreted_decode_step, rel_err, tiny_causal_lm
 
-import portlayer
 from portlayer.codegen.gemm_rule import merge_refusal
 from portlayer.codegen.host_support import concatenate_weights
 from portlayer.flatten.ir import Node, TensorType, Value
@@ -36,18 +35,10 @@ ARCHS = {
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def built(request, tmp_path_factory):
-    from portlayer.flatten.tokenizer import write_byte_tokenizer
-
     root = tmp_path_factory.mktemp(f"merged-{request.param}")
     cfg_name, model_name, kw = ARCHS[request.param]
     model = tiny_causal_lm(cfg_name, model_name, VOCAB, layers=LAYERS, **kw)
-    src = root / "model"
-    model.save_pretrained(str(src))
-    write_byte_tokenizer(src, vocab_size=VOCAB)
-    art = root / "art"
-    portlayer.compile(str(src), target=str(h200_few_sms(root)), dtype="float32", output=art, progress=False,
-                      sources_only=True, verify=False)
-    return model, art
+    return model, compiled_fp32(model, root, VOCAB, h200_few_sms(root))
 
 
 @pytest.mark.interpreter

@@ -165,6 +165,21 @@ def tiny_causal_lm(cfg_name: str, model_name: str, vocab: int, layers: int = 2, 
     return model
 
 
+def compiled_fp32(model: Any, root: Path, vocab: int, target: Path | str, name: str = "art") -> Path:
+    """``model`` saved under ``root`` with a byte tokenizer of ``vocab`` ids, compiled for ``target`` in float32
+    as kernel sources (the interpreter runs them; no capture self-check): the artifact's directory."""
+    import portlayer
+    from portlayer.flatten.tokenizer import write_byte_tokenizer
+
+    src = root / "model"
+    model.save_pretrained(str(src))
+    write_byte_tokenizer(src, vocab_size=vocab)
+    art = root / name
+    portlayer.compile(str(src), target=str(target), dtype="float32", output=art, progress=False,
+                      sources_only=True, verify=False)
+    return art
+
+
 def interpreted_decode_step(art: Path, prompts: list[list[int]], nxt: list[int], monkeypatch: Any
                             ) -> tuple[torch.Tensor, list[str]]:
     """Logits [len(prompts), vocab] of one decode step (token ``nxt[i]`` after prompt i, all prefilled in one step)
