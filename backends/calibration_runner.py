@@ -154,7 +154,13 @@ def launcher(prog: Any) -> str:
 def _with_binaries(out: Path, desc: Any) -> Any | None:
     """The generated program's files with its kernels compiled for ``desc`` in this process (codegen/aot.py's
     binaries.json and binaries/), for load_program; None where the target has no binaries."""
-    from portlayer.codegen.aot import BINARIES_DIR, BINARIES_INDEX, descriptor_target, write_binaries
+    from portlayer.codegen.aot import (
+        BINARIES_DIR,
+        BINARIES_INDEX,
+        PDL_FEATURE,
+        descriptor_target,
+        write_binaries,
+    )
     from portlayer.codegen.program import PROGRAM_LAYOUT
     from portlayer.codegen.source_loader import read_directory
 
@@ -163,7 +169,7 @@ def _with_binaries(out: Path, desc: Any) -> Any | None:
         return None
     saved = dict(os.environ)  # the compile may point Triton at another ptxas: not for the rest of calibrate
     try:
-        write_binaries(out, target[2], jobs=1)
+        write_binaries(out, target[2], jobs=1, pdl=desc.has(PDL_FEATURE))
     except Exception:  # noqa: BLE001 - a toolchain that cannot compile here: the kernels launch through the JIT
         return None
     finally:

@@ -31,7 +31,8 @@ SCHEMA_VERSION = 1
 KNOWN_FEATURES = frozenset(
     {
         "tensor_cores", "matrix_cores", "xmx", "cube_unit", "fp8", "tma", "wgmma", "graph_capture",
-        "async_copy", "cooperative_launch", "unified_memory", "avx2", "avx512", "avx512_bf16", "amx",
+        "async_copy", "cooperative_launch", "programmatic_dependent_launch", "unified_memory", "avx2", "avx512",
+        "avx512_bf16", "amx",
         "fused_add_rms_norm", "fused_rms_norm", "fused_rope", "fused_swiglu", "paged_attention",
         "fused_reshape_and_cache", "weight_quant_matmul", "flash_attention", "nz_weight_format",
     }

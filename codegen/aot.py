@@ -100,6 +100,9 @@ def parse_target(text: str) -> tuple[str, Any, int]:
 #: (codegen/kernel_binaries.py) and runs the JIT kernel for one that is not aligned.
 POINTER_ALIGN = 16
 
+#: The descriptor feature that makes shipped binaries launch as programmatic dependents (templates/triton/_pdl.j2).
+PDL_FEATURE = "programmatic_dependent_launch"
+
 
 def pointer_attrs(signature: Mapping[str, str]) -> dict[tuple[int, ...], list[list[Any]]]:
     """ASTSource ``attrs``: each float-tensor pointer parameter (by position) divisible by POINTER_ALIGN bytes
@@ -230,14 +233,14 @@ def _with_variants(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> dict[str, Any]:
+def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int], bool]) -> dict[str, Any]:
     """Worker: one kernel for one target; writes the binary, returns its launch record."""
     import hashlib
 
     import triton
     from triton.backends.compiler import GPUTarget
 
-    artifact, name, k, (backend, arch, warp) = job
+    artifact, name, k, (backend, arch, warp), pdl = job
     art = Path(artifact)
     t0 = time.time()
     opts: dict[str, Any] = {"num_warps": k["num_warps"], "num_stages": k["num_stages"]}
@@ -246,8 +249,11 @@ def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> 
         if int(arch) < 100:
             opts["ptx_version"] = _ptx_version(int(arch))
     mod = _module(art / "kernels" / f"{k['module']}.py")
-    src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=dict(k["signature"]),
-                                    constexprs=dict(k["constexprs"]), attrs=pointer_attrs(k["signature"]))
+    sig = dict(k["signature"])
+    const = dict(k["constexprs"])
+    if "PDL" in sig:  # templates/triton/_pdl.j2: set here, whatever kernels.json says
+        const["PDL"] = bool(pdl)
+    src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=sig, constexprs=const, attrs=pointer_attrs(sig))
     c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=opts)
     md = c.metadata
     binary = c.asm[BINARY[backend]]
@@ -266,17 +272,19 @@ def _compile_one(job: tuple[str, str, dict[str, Any], tuple[str, Any, int]]) -> 
             "global_scratch_align": getattr(md, "global_scratch_align", 1) or 1,
             "profile_scratch_size": getattr(md, "profile_scratch_size", 0) or 0, "params": params,
             "args": [[a, t] for a, t in k["signature"].items()],  # a list: argument ORDER is the launch ABI
-            "constexprs": k["constexprs"], "pointer_align": POINTER_ALIGN, "seconds": round(time.time() - t0, 3)}
+            "constexprs": const, "pointer_align": POINTER_ALIGN, "pdl": pdl, "seconds": round(time.time() - t0, 3)}
 
 
-def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | None = None) -> dict[str, Any]:
-    """Compile every kernel of ``artifact`` for ``target`` in parallel; write binaries/ and binaries.json."""
+def write_binaries(artifact: Path, target: tuple[str, Any, int], jobs: int | None = None,
+                   pdl: bool = False) -> dict[str, Any]:
+    """Compile every kernel of ``artifact`` for ``target`` in parallel; write binaries/ and binaries.json.
+    ``pdl``: compile for programmatic dependent launch (the descriptor's programmatic_dependent_launch feature)."""
     from concurrent.futures import ProcessPoolExecutor
 
     info = json.loads((artifact / "kernels.json").read_text())["kernels"]
     (artifact / BINARIES_DIR).mkdir(exist_ok=True)
     backend, arch, warp = target
-    work = [(str(artifact), vname, v, target) for name, k in sorted(info.items()) for vname, v in launches(name, k)]
+    work = [(str(artifact), vname, v, target, pdl) for name, k in sorted(info.items()) for vname, v in launches(name, k)]
     n = max(1, min(jobs or os.cpu_count() or 1, len(work), 16))
     t0 = time.time()
     if n == 1:
@@ -304,6 +312,8 @@ def build_binaries(artifact: Path, desc: Any, jobs: int | None = None, timeout: 
         return None
     backend, arch, warp = t[2]
     args = [str(artifact), "--target-json", json.dumps([backend, arch, warp]), "--write-binaries"]
+    if desc.has(PDL_FEATURE):
+        args.append("--pdl")
     if jobs:
         args += ["--jobs", str(jobs)]
     if backend == "xpu":
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-json", default=None, help='one target as JSON [backend, arch, warp_size]')
     ap.add_argument("--write-binaries", action="store_true", help="write binaries/ + binaries.json (one --target)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    ap.add_argument("--pdl", action="store_true", help="compile for programmatic dependent launch (sm_90+)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile ahead of time", file=sys.stderr)
@@ -346,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             print("--write-binaries takes exactly one --target", file=sys.stderr)
             return 2
         tgt = args.target[0]
-        index = write_binaries(args.artifact, tgt if isinstance(tgt, tuple) else parse_target(tgt), args.jobs)
+        index = write_binaries(args.artifact, tgt if isinstance(tgt, tuple) else parse_target(tgt), args.jobs,
+                               pdl=args.pdl)
         print(json.dumps({"kind": index["kind"], "kernels": len(index["kernels"]), "seconds": index["seconds"],
                           "toolchain": index["toolchain"]}))
         return 0

@@ -55,7 +55,30 @@ class KernelBinaryError(PortlayerError):
     """The artifact's kernel binaries do not fit this device or driver, or could not be loaded or launched."""
 
 
+#: Environment switch for binaries compiled for programmatic dependent launch ("0": launch them as plain kernels,
+#: which their gdc_wait allows; the A/B of docs/performance.md's session 12)
+PDL_ENV = "PORTLAYER_PDL"
+#: cuda.h's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (a CUlaunchAttributeID, CUDA 12.0+)
+_PDL_ATTRIBUTE = 6
+
+
 # ---- the driver -----------------------------------------------------------------------------------------
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: the id, padding to 8 bytes, then the 64-byte value union (its first int is
+    programmaticStreamSerializationAllowed)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (cuLaunchKernelEx's first argument); ctypes adds the padding before hStream."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
 
 
 class _Driver:
@@ -80,6 +103,11 @@ class _Driver:
         self.launch = getattr(self.lib, f"{p}LaunchKernel" if kind == "cuda" else "hipModuleLaunchKernel")
         self.launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 6, ctypes.c_uint, ctypes.c_void_p,
                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        # cuLaunchKernelEx (CUDA 12.0+): launches with attributes, here programmatic stream serialization
+        self.launch_ex = getattr(self.lib, "cuLaunchKernelEx", None) if kind == "cuda" else None
+        if self.launch_ex is not None:
+            self.launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.c_void_p]
         self.driver_version = getattr(self.lib, f"{p}DriverGetVersion")
         self._err = getattr(self.lib, f"{p}GetErrorName" if kind == "cuda" else "hipGetErrorName")
 
@@ -163,6 +191,16 @@ class BinaryKernel:
         self.block = int(rec["num_warps"]) * int(rec["warp_size"])
         self.shared = int(rec["shared"])
         self.fn = driver.function(image, rec["entry"], self.shared)
+        # compiled with PDL=True (codegen/aot.py, templates/triton/_pdl.j2): launched as a programmatic dependent of
+        # the kernel before it, unless PORTLAYER_PDL=0 or the driver has no cuLaunchKernelEx (then a plain launch,
+        # whose gdc_wait returns at once)
+        self.pdl = (bool(rec.get("pdl")) and getattr(driver, "launch_ex", None) is not None
+                    and os.environ.get(PDL_ENV, "1") != "0")
+        self._config: _LaunchConfig | None = None
+        if self.pdl:
+            self._attribute = _LaunchAttribute(id=_PDL_ATTRIBUTE, value=1)
+            self._config = _LaunchConfig(block_x=self.block, block_y=1, block_z=1, shared=self.shared,
+                                         attrs=ctypes.pointer(self._attribute), num_attrs=1)
         self._scratch: torch.Tensor | None = None
         # the device whose current stream a launch goes on (the module was loaded into its context here)
         self._index = device.index if device.index is not None else (
@@ -220,7 +258,12 @@ class BinaryKernel:
         # torch.cuda.current_stream() builds a Stream object and resolves the device twice (~1/3 of an eager
         # launch's host time on the H200 host, session 10's profile of a 128-token prefill)
         stream = _RAW_STREAM(self._index) if _RAW_STREAM is not None else torch.cuda.current_stream(self._index).cuda_stream
-        rc = self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared, stream, self._params, None)
+        cfg = self._config
+        if cfg is not None:
+            cfg.grid_x, cfg.grid_y, cfg.grid_z, cfg.stream = gx, gy, gz, stream
+            rc = self.driver.launch_ex(ctypes.byref(cfg), self.fn, self._params, None)
+        else:
+            rc = self.driver.launch(self.fn, gx, gy, gz, self.block, 1, 1, self.shared, stream, self._params, None)
         if rc:
             self.driver.check(rc, f"launch of {self.name}")
 

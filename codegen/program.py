@@ -45,14 +45,20 @@ def write_program(gen: GeneratedProgram, out_dir: Path | str) -> list[Path]:
     return files
 
 
+def compiled(spec: KernelSpec) -> dict[str, Any]:
+    """The constexprs a binary of ``spec`` is compiled with: the launch's, and PDL (a plain launch; codegen/aot.py sets
+    it for a descriptor with the programmatic_dependent_launch feature). The host program never passes PDL."""
+    return {**spec.constexprs, "PDL": False}
+
+
 def launch_records(name: str, spec: KernelSpec) -> dict[str, Any]:
     """kernels.json's entry for one kernel: its first launch configuration, the others under ``variants``
     (codegen/aot.py compiles one binary per configuration)."""
     first, *rest = spec.launches()
-    rec = {"family": spec.family, "fn": spec.fn, "signature": first.signature(), "constexprs": first.constexprs,
+    rec = {"family": spec.family, "fn": spec.fn, "signature": first.signature(), "constexprs": compiled(first),
            "num_warps": first.num_warps, "num_stages": first.num_stages, "module": spec.extra.get("module", name)}
     if rest:
-        rec["variants"] = [{"signature": v.signature(), "constexprs": v.constexprs, "num_warps": v.num_warps,
+        rec["variants"] = [{"signature": v.signature(), "constexprs": compiled(v), "num_warps": v.num_warps,
                             "num_stages": v.num_stages} for v in rest]
     return rec
 

@@ -53,7 +53,9 @@ class KernelSpec:
     runtime_choices: list[dict[str, Any]] = field(default_factory=list)
 
     def signature(self) -> dict[str, str]:
-        return {p.name: p.kind for p in self.params}
+        """Argument name -> Triton type, in order; every Triton template's last parameter is ``PDL``
+        (templates/triton/_pdl.j2: False unless codegen/aot.py compiles a binary for programmatic dependent launch)."""
+        return {**{p.name: p.kind for p in self.params}, "PDL": "constexpr"}
 
     def launch_key(self) -> str:
         """What makes a compiled binary of this source distinct: argument types, constexprs, warps, stages."""

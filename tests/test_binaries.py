@@ -51,7 +51,8 @@ def test_manifest_lists_one_binary_per_kernel(arts, target, kind):
     index = json.loads((art / "binaries.json").read_text())["kernels"]
     for name, k in kernels.items():  # one binary per launch configuration, in the same order
         made = [index[name], *index[name].get("variants", ())]
-        assert [r["constexprs"] for r in made] == [c["constexprs"] for c in (k, *k.get("variants", ()))]
+        assert ([{**r["constexprs"], "PDL": False} for r in made]  # PDL: test_pdl_binaries_only_for_descriptors_...
+                == [c["constexprs"] for c in (k, *k.get("variants", ()))])
         assert len({r["file"] for r in made}) == len(made)
         assert [v["sha256"] for v in b["kernels"][name].get("variants", ())] == [r["sha256"] for r in made[1:]]
     for name, k in ((n, r) for n, x in b["kernels"].items() for r in (x, *x.get("variants", ()))):
@@ -306,3 +307,119 @@ print(json.dumps(out))
     loads = json.loads(r.stdout.strip().splitlines()[-1])
     assert any(".v4" in ld for ld in loads["True"]), loads["True"]
     assert not any(".v4" in ld for ld in loads["False"]), loads["False"]
+
+
+# ---- programmatic dependent launch (templates/triton/_pdl.j2) ----------------------------------------------------
+
+
+def test_pdl_binaries_only_for_descriptors_with_the_feature(arts):
+    """nvidia-h200 lists programmatic_dependent_launch: every binary is compiled with PDL=True and says so; the
+    MI300X descriptor does not: PDL=False. kernels.json (what the JIT and the interpreter run) keeps PDL=False."""
+    for target, pdl in (("nvidia-h200", True), ("amd-mi300x", False)):
+        kernels = json.loads((arts[target] / "kernels.json").read_text())["kernels"]
+        index = json.loads((arts[target] / "binaries.json").read_text())["kernels"]
+        for name, k in kernels.items():
+            assert k["signature"]["PDL"] == "constexpr" and k["constexprs"]["PDL"] is False
+            for r in (index[name], *index[name].get("variants", ())):
+                assert r["pdl"] is pdl and r["constexprs"]["PDL"] is pdl, (target, name)
+
+
+def test_pdl_kernels_wait_for_the_previous_grid_before_touching_memory():
+    """The PTX of a PDL=True kernel starts with griddepcontrol.wait (then .launch_dependents) before its first
+    global load; PDL=False compiles the block away. Checked in the PTX Triton emits for sm_90."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import portlayer
+
+    with tempfile.TemporaryDirectory() as d:
+        art = Path(d) / "a"
+        portlayer.compile("tiny-qwen3", target="nvidia-h200", output=art, progress=False, sources_only=True)
+        probe = rf"""
+import json, re, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from portlayer.codegen import aot
+art = Path({str(art)!r})
+info = json.loads((art / "kernels.json").read_text())["kernels"]
+out = {{}}
+for name in sorted(info)[:3]:
+    k = info[name]
+    mod = aot._module(art / "kernels" / (k["module"] + ".py"))
+    for pdl in (False, True):
+        src = triton.compiler.ASTSource(getattr(mod, k["fn"]), signature=dict(k["signature"]),
+                                        constexprs={{**k["constexprs"], "PDL": pdl}})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": k["num_warps"]}}).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        marks = [m.group(0) for m in re.finditer(r"griddepcontrol\.\w+|ld\.global", body)]
+        out[f"{{name}}:{{pdl}}"] = marks[:3]
+print(json.dumps(out))
+"""
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    marks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(marks) == 6
+    for key, seen in marks.items():
+        if key.endswith(":True"):
+            assert seen[:2] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], (key, seen)
+        else:
+            assert not any(s.startswith("griddepcontrol") for s in seen), (key, seen)
+
+
+def test_launch_config_matches_cuda_h():
+    """The ctypes CUlaunchConfig / CUlaunchAttribute have cuda.h's sizes, and the attribute id is cuda.h's
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (read from the header Triton bundles)."""
+    import ctypes
+    import re
+
+    import triton
+
+    header = Path(triton.__file__).parent / "backends" / "nvidia" / "include" / "cuda.h"
+    text = header.read_text(errors="replace")
+    assert int(re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*(\d+)", text)[1]) == KB._PDL_ATTRIBUTE
+    # CUlaunchConfig: 7 unsigned ints, a stream, an attribute pointer, a count (64-bit: 56 bytes); CUlaunchAttribute:
+    # an enum padded to 8 bytes and the 64-byte CUlaunchAttributeValue union
+    assert re.search(r"typedef struct CUlaunchConfig_st \{.*?unsigned int numAttrs;", text, re.S)
+    assert re.search(r"union CUlaunchAttributeValue_union \{\s*char pad\[64\];", text)
+    assert ctypes.sizeof(KB._LaunchConfig) == 56 and KB._LaunchConfig.stream.offset == 32
+    assert ctypes.sizeof(KB._LaunchAttribute) == 72 and KB._LaunchAttribute.value.offset == 8
+
+
+def test_a_pdl_binary_launches_through_cuLaunchKernelEx_unless_switched_off(arts, monkeypatch):
+    """A PDL binary goes through cuLaunchKernelEx with the programmatic-stream-serialization attribute, on torch's
+    current stream, with the grid, block and shared memory the plain launch would get; PORTLAYER_PDL=0 (read at
+    load) or a driver without cuLaunchKernelEx: the plain cuLaunchKernel. Stand-in driver: no GPU here."""
+    import ctypes
+
+    index = json.loads((arts["nvidia-h200"] / "binaries.json").read_text())
+    name = next(n for n in index["kernels"] if n.startswith("reduction_rms_norm"))
+    rec = index["kernels"][name]
+    assert rec["pdl"]
+    seen = []
+
+    class Recorder(_NoDriver):
+        def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            seen.append(("plain", (gx, gy, gz), (bx, by, bz), shared, stream))
+            return 0
+
+        def launch_ex(self, cfg_ref, fn, params, extra):
+            cfg = ctypes.cast(cfg_ref, ctypes.POINTER(KB._LaunchConfig)).contents
+            attrs = [(cfg.attrs[i].id, cfg.attrs[i].value) for i in range(cfg.num_attrs)]
+            seen.append(("ex", (cfg.grid_x, cfg.grid_y, cfg.grid_z), (cfg.block_x, cfg.block_y, cfg.block_z),
+                         cfg.shared, cfg.stream, attrs))
+            return 0
+
+    monkeypatch.setattr(KB, "_RAW_STREAM", lambda index: 7000 + index)
+    x, w, out = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), torch.empty(4, 64)
+    kw = {**rec["constexprs"], "num_warps": rec["num_warps"]}
+    block = (rec["num_warps"] * rec["warp_size"], 1, 1)
+    KB.BinaryKernel(name, rec, b"", Recorder(), torch.device("cuda", 1))[(4, 2)](x, w, out, 4, 1e-6, **kw)
+    assert seen == [("ex", (4, 2, 1), block, rec["shared"], 7001, [(6, 1)])]
+    seen.clear()
+    monkeypatch.setenv("PORTLAYER_PDL", "0")
+    KB.BinaryKernel(name, rec, b"", Recorder(), torch.device("cuda", 1))[(4,)](x, w, out, 4, 1e-6, **kw)
+    assert seen == [("plain", (4, 1, 1), block, rec["shared"], 7001)]

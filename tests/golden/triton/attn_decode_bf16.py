@@ -4,16 +4,20 @@ Paged attention for decode sequences (one new token each), flash-decoding style.
 Grid (num_decode_seqs, HKV, NUM_SPLITS): each program takes the GQA group of GROUP
 query heads that share one KV head (padded to BLOCK_H rows so tl.dot can be used) and one
 slice of the sequence's KV blocks, read through the block table. Partial results
-(unnormalised output, running max, running sum) go to scratch; attn_decode_bf16_9f9fe9_reduce merges the
+(unnormalised output, running max, running sum) go to scratch; attn_decode_bf16_df4006_reduce merges the
 NUM_SPLITS slices. Cache layout: [num_blocks, BLOCK_SIZE, HKV, D].
 """
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def attn_decode_bf16_9f9fe9(
+def attn_decode_bf16_df4006(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -36,7 +40,11 @@ def attn_decode_bf16_9f9fe9(
     NUM_SPLITS: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     i = tl.program_id(0)  # decode sequence, counted from the first decode
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,7 +97,7 @@ def attn_decode_bf16_9f9fe9(
 
 
 @triton.jit
-def attn_decode_bf16_9f9fe9_reduce(
+def attn_decode_bf16_df4006_reduce(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -100,7 +108,11 @@ def attn_decode_bf16_9f9fe9_reduce(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     i = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_ptr + i + seq_offset).to(tl.int64)

@@ -8,10 +8,14 @@ one sequence and one head. Keys and values come from the token stream itself
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def attn_prefill_dense_bf16_02d7e6(
+def attn_prefill_dense_bf16_9f0a57(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -27,7 +31,11 @@ def attn_prefill_dense_bf16_02d7e6(
     BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     mblock = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)

@@ -10,10 +10,14 @@ seq_len - query_len .. seq_len - 1.
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def attn_prefill_paged_bf16_fbf2dd(
+def attn_prefill_paged_bf16_482e53(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -33,7 +37,11 @@ def attn_prefill_paged_bf16_fbf2dd(
     BLOCK_SIZE: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     mblock = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)

@@ -8,10 +8,14 @@ all M rows, streams its [BLOCK_N, K] slice of W once in [BLOCK_N, BLOCK_K] tiles
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def gemv_add_nosum_rms_bf16_e95ca9(
+def gemv_add_nosum_rms_bf16_b887f8(
     a_ptr,
     res_ptr,
     nw_ptr,
@@ -24,7 +28,11 @@ def gemv_add_nosum_rms_bf16_e95ca9(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -9,10 +9,14 @@ A is the residual add + RMSNorm of the kernel's input, computed in every program
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def gemv_j2_add_rms_epi_silu_mul_bf16_d05ae5(
+def gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0(
     a_ptr,
     res_ptr,
     sum_ptr,
@@ -27,7 +31,11 @@ def gemv_j2_add_rms_epi_silu_mul_bf16_d05ae5(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

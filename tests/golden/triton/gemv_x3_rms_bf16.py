@@ -11,10 +11,14 @@ A is the RMSNorm of the kernel's input, computed in every program's prologue (on
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def gemv_x3_rms_bf16_8e2a73(
+def gemv_x3_rms_bf16_9c21a5(
     a_ptr,
     nw_ptr,
     w0_ptr,
@@ -32,7 +36,11 @@ def gemv_x3_rms_bf16_8e2a73(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < tl.cdiv(N0, BLOCK_N):
         w_ptr = w0_ptr

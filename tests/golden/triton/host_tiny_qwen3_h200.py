@@ -17,22 +17,22 @@ from portlayer.codegen.host_support import HostProgram, W_T, gemm_block_m, gemv_
 
 class Program(HostProgram):
     KERNELS = (
-        "attn_decode_bf16_9f9fe9",
-        "attn_prefill_dense_bf16_02d7e6",
-        "attn_prefill_paged_bf16_fbf2dd",
-        "embedding_bf16_2a9561",
-        "gemv_add_nosum_rms_bf16_e95ca9",
-        "gemv_bf16_391b0f",
-        "gemv_j2_add_rms_epi_silu_mul_bf16_d05ae5",
-        "gemv_x3_add_rms_bf16_f7ab4e",
-        "gemv_x3_rms_bf16_8e2a73",
-        "pointwise_silu_mul_cols2_3b356f",
-        "pointwise_split3_bf16_46cb94",
-        "reduction_add_nosum_rms_norm_bf16_72ace6",
-        "reduction_add_rms_norm_bf16_206bed",
-        "reduction_rms_norm_bf16_d1a78b",
-        "rope_kv_norm_neox_bf16_1811e4",
-        "rope_norm_neox_bf16_d68340",
+        "attn_decode_bf16_df4006",
+        "attn_prefill_dense_bf16_9f0a57",
+        "attn_prefill_paged_bf16_482e53",
+        "embedding_bf16_1cf359",
+        "gemv_add_nosum_rms_bf16_b887f8",
+        "gemv_bf16_a65977",
+        "gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0",
+        "gemv_x3_add_rms_bf16_13f89e",
+        "gemv_x3_rms_bf16_9c21a5",
+        "pointwise_silu_mul_cols2_e10d1e",
+        "pointwise_split3_bf16_bce10d",
+        "reduction_add_nosum_rms_norm_bf16_effee7",
+        "reduction_add_rms_norm_bf16_e08443",
+        "reduction_rms_norm_bf16_13170c",
+        "rope_kv_norm_neox_bf16_d76f07",
+        "rope_norm_neox_bf16_47fcf0",
     )
     SCRATCH = (1024, 64)
     INPUTS = ("input_ids", "positions", )
@@ -46,7 +46,7 @@ class Program(HostProgram):
 
         # embed_tokens_embedding: triton.embedding [embedding]
         embed_tokens_embedding = B.embed_tokens_embedding
-        K.embedding_bf16_2a9561[(T,)](W.model_embed_tokens_weight, input_ids, embed_tokens_embedding, T, N=64, BLOCK_N=64, num_warps=1)
+        K.embedding_bf16_1cf359[(T,)](W.model_embed_tokens_weight, input_ids, embed_tokens_embedding, T, N=64, BLOCK_N=64, num_warps=1)
 
         # l0_self_attn_q_proj: triton.gemm [rms_norm, linear, linear, linear]
         l0_input_layernorm_rms_norm = B.l0_input_layernorm_rms_norm
@@ -55,11 +55,11 @@ class Program(HostProgram):
         l0_self_attn_v_proj = B.l0_self_attn_v_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_x3_rms_bf16_8e2a73[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, W.model_layers_0_self_attn_q_proj_weight, W.model_layers_0_self_attn_k_proj_weight, W.model_layers_0_self_attn_v_proj_weight, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_x3_rms_bf16_9c21a5[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, W.model_layers_0_self_attn_q_proj_weight, W.model_layers_0_self_attn_k_proj_weight, W.model_layers_0_self_attn_v_proj_weight, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
-            K.reduction_rms_norm_bf16_d1a78b[(T,)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, l0_input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
+            K.reduction_rms_norm_bf16_13170c[(T,)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, l0_input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(l0_input_layernorm_rms_norm, W_T(W.model_layers_0_self_attn_q_proj_weight_cat3))  # l0_self_attn_q_proj | l0_self_attn_k_proj | l0_self_attn_v_proj: one GEMM
-            K.pointwise_split3_bf16_46cb94[(T, triton.cdiv(128, 128))](cat_tmp, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, BLOCK=128, num_warps=4)
+            K.pointwise_split3_bf16_bce10d[(T, triton.cdiv(128, 128))](cat_tmp, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, BLOCK=128, num_warps=4)
             del cat_tmp
         l0_self_attn_reshape = l0_self_attn_q_proj.reshape(T, 4, 16)
         l0_self_attn_reshape_1 = l0_self_attn_k_proj.reshape(T, 2, 16)
@@ -70,9 +70,9 @@ class Program(HostProgram):
         l0_self_attn_rope_1 = B.l0_self_attn_rope_1
         if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)
             k_cache, v_cache = kv_caches[0]
-            K.rope_kv_norm_neox_bf16_1811e4[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
+            K.rope_kv_norm_neox_bf16_d76f07[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
         else:
-            K.rope_norm_neox_bf16_d68340[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
+            K.rope_norm_neox_bf16_47fcf0[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
 
         # l0_self_attn_attention: triton.paged_attention [attention]
         l0_self_attn_attention = B.l0_self_attn_attention
@@ -81,21 +81,21 @@ class Program(HostProgram):
             k_cache, v_cache = kv_caches[0]
             # K/V are in the cache already: the rope kernel wrote them
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_fbf2dd[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_482e53[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     l0_self_attn_rope, k_cache, v_cache, l0_self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
+                K.attn_decode_bf16_df4006[(st.num_decodes, 2, 16)](
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=2)
-                K.attn_decode_bf16_9f9fe9_reduce[(st.num_decodes, 4)](
+                K.attn_decode_bf16_df4006_reduce[(st.num_decodes, 4)](
                     self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills,
                     HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
-            K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
+            K.attn_prefill_dense_bf16_9f0a57[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 l0_self_attn_rope, l0_self_attn_rope_1, l0_self_attn_reshape_2, l0_self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
                 num_warps=4, num_stages=3)
         l0_self_attn_reshape_3 = l0_self_attn_attention.reshape(T, 64)
@@ -104,7 +104,7 @@ class Program(HostProgram):
         l0_self_attn_o_proj = B.l0_self_attn_o_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_bf16_391b0f[(triton.cdiv(64, 2),)](l0_self_attn_reshape_3, W.model_layers_0_self_attn_o_proj_weight, l0_self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](l0_self_attn_reshape_3, W.model_layers_0_self_attn_o_proj_weight, l0_self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(l0_self_attn_reshape_3, W_T(W.model_layers_0_self_attn_o_proj_weight), out=l0_self_attn_o_proj)
 
@@ -114,18 +114,18 @@ class Program(HostProgram):
         l0_mlp_mul = B.l0_mlp_mul
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_j2_add_rms_epi_silu_mul_bf16_d05ae5[(triton.cdiv(128, 2),)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, W.model_layers_0_mlp_gate_proj_weight, W.model_layers_0_mlp_up_proj_weight, l0_mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0[(triton.cdiv(128, 2),)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, W.model_layers_0_mlp_gate_proj_weight, W.model_layers_0_mlp_up_proj_weight, l0_mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
-            K.reduction_add_rms_norm_bf16_206bed[(T,)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, l0_post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
+            K.reduction_add_rms_norm_bf16_e08443[(T,)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, l0_post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(l0_post_attention_layernorm_rms_norm, W_T(W.model_layers_0_mlp_gate_proj_weight_cat2))  # l0_mlp_gate_proj | l0_mlp_up_proj: one GEMM
-            K.pointwise_silu_mul_cols2_3b356f[(triton.cdiv(T * 128, 1024),)](cat_tmp, l0_mlp_mul, T * 128, BLOCK=1024, num_warps=4)
+            K.pointwise_silu_mul_cols2_e10d1e[(triton.cdiv(T * 128, 1024),)](cat_tmp, l0_mlp_mul, T * 128, BLOCK=1024, num_warps=4)
             del cat_tmp
 
         # l0_mlp_down_proj: triton.gemm [linear]
         l0_mlp_down_proj = B.l0_mlp_down_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
-            K.gemv_bf16_391b0f[(triton.cdiv(64, 2),)](l0_mlp_mul, W.model_layers_0_mlp_down_proj_weight, l0_mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](l0_mlp_mul, W.model_layers_0_mlp_down_proj_weight, l0_mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(l0_mlp_mul, W_T(W.model_layers_0_mlp_down_proj_weight), out=l0_mlp_down_proj)
 
@@ -139,9 +139,9 @@ class Program(HostProgram):
         lm_head = B.lm_head
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_add_nosum_rms_bf16_e95ca9[(triton.cdiv(256, 2),)](h0_0, h0_1, W.model_norm_weight, W.lm_head_weight, lm_head, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=256, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_add_nosum_rms_bf16_b887f8[(triton.cdiv(256, 2),)](h0_0, h0_1, W.model_norm_weight, W.lm_head_weight, lm_head, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=256, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
-            K.reduction_add_nosum_rms_norm_bf16_72ace6[(T,)](h0_0, h0_1, W.model_norm_weight, norm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
+            K.reduction_add_nosum_rms_norm_bf16_effee7[(T,)](h0_0, h0_1, W.model_norm_weight, norm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             torch.mm(norm_rms_norm, W_T(W.lm_head_weight), out=lm_head)
         return [lm_head]
 
@@ -157,11 +157,11 @@ class Program(HostProgram):
         self_attn_v_proj = B.self_attn_v_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_x3_add_rms_bf16_f7ab4e[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](x0, x1, add_1_prev, P.input_layernorm_weight, P.self_attn_q_proj_weight, P.self_attn_k_proj_weight, P.self_attn_v_proj_weight, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_x3_add_rms_bf16_13f89e[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](x0, x1, add_1_prev, P.input_layernorm_weight, P.self_attn_q_proj_weight, P.self_attn_k_proj_weight, P.self_attn_v_proj_weight, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
-            K.reduction_add_rms_norm_bf16_206bed[(T,)](x0, x1, add_1_prev, P.input_layernorm_weight, input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
+            K.reduction_add_rms_norm_bf16_e08443[(T,)](x0, x1, add_1_prev, P.input_layernorm_weight, input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(input_layernorm_rms_norm, W_T(P.self_attn_q_proj_weight_cat3))  # self_attn_q_proj | self_attn_k_proj | self_attn_v_proj: one GEMM
-            K.pointwise_split3_bf16_46cb94[(T, triton.cdiv(128, 128))](cat_tmp, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, BLOCK=128, num_warps=4)
+            K.pointwise_split3_bf16_bce10d[(T, triton.cdiv(128, 128))](cat_tmp, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, BLOCK=128, num_warps=4)
             del cat_tmp
         self_attn_reshape = self_attn_q_proj.reshape(T, 4, 16)
         self_attn_reshape_1 = self_attn_k_proj.reshape(T, 2, 16)
@@ -172,9 +172,9 @@ class Program(HostProgram):
         self_attn_rope_1 = B.self_attn_rope_1
         if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)
             k_cache, v_cache = kv_caches[layer]
-            K.rope_kv_norm_neox_bf16_1811e4[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
+            K.rope_kv_norm_neox_bf16_d76f07[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
         else:
-            K.rope_norm_neox_bf16_d68340[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
+            K.rope_norm_neox_bf16_47fcf0[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
 
         # self_attn_attention: triton.paged_attention [attention]
         self_attn_attention = B.self_attn_attention
@@ -183,21 +183,21 @@ class Program(HostProgram):
             k_cache, v_cache = kv_caches[layer]
             # K/V are in the cache already: the rope kernel wrote them
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_fbf2dd[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_482e53[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     self_attn_rope, k_cache, v_cache, self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                K.attn_decode_bf16_9f9fe9[(st.num_decodes, 2, 16)](
+                K.attn_decode_bf16_df4006[(st.num_decodes, 2, 16)](
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=2)
-                K.attn_decode_bf16_9f9fe9_reduce[(st.num_decodes, 4)](
+                K.attn_decode_bf16_df4006_reduce[(st.num_decodes, 4)](
                     self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills,
                     HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
-            K.attn_prefill_dense_bf16_02d7e6[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
+            K.attn_prefill_dense_bf16_9f0a57[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 self_attn_rope, self_attn_rope_1, self_attn_reshape_2, self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
                 num_warps=4, num_stages=3)
         self_attn_reshape_3 = self_attn_attention.reshape(T, 64)
@@ -206,7 +206,7 @@ class Program(HostProgram):
         self_attn_o_proj = B.self_attn_o_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_bf16_391b0f[(triton.cdiv(64, 2),)](self_attn_reshape_3, P.self_attn_o_proj_weight, self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](self_attn_reshape_3, P.self_attn_o_proj_weight, self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(self_attn_reshape_3, W_T(P.self_attn_o_proj_weight), out=self_attn_o_proj)
 
@@ -216,18 +216,18 @@ class Program(HostProgram):
         mlp_mul = B.mlp_mul
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_j2_add_rms_epi_silu_mul_bf16_d05ae5[(triton.cdiv(128, 2),)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, P.mlp_gate_proj_weight, P.mlp_up_proj_weight, mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0[(triton.cdiv(128, 2),)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, P.mlp_gate_proj_weight, P.mlp_up_proj_weight, mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
-            K.reduction_add_rms_norm_bf16_206bed[(T,)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
+            K.reduction_add_rms_norm_bf16_e08443[(T,)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(post_attention_layernorm_rms_norm, W_T(P.mlp_gate_proj_weight_cat2))  # mlp_gate_proj | mlp_up_proj: one GEMM
-            K.pointwise_silu_mul_cols2_3b356f[(triton.cdiv(T * 128, 1024),)](cat_tmp, mlp_mul, T * 128, BLOCK=1024, num_warps=4)
+            K.pointwise_silu_mul_cols2_e10d1e[(triton.cdiv(T * 128, 1024),)](cat_tmp, mlp_mul, T * 128, BLOCK=1024, num_warps=4)
             del cat_tmp
 
         # mlp_down_proj: triton.gemm [linear]
         mlp_down_proj = B.mlp_down_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
-            K.gemv_bf16_391b0f[(triton.cdiv(64, 2),)](mlp_mul, P.mlp_down_proj_weight, mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](mlp_mul, P.mlp_down_proj_weight, mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(mlp_mul, W_T(P.mlp_down_proj_weight), out=mlp_down_proj)
         return add, mlp_down_proj,

@@ -2,16 +2,24 @@
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def pointwise_split3_bf16_46cb94(
+def pointwise_split3_bf16_bce10d(
     c_ptr,
     out0_ptr,
     out1_ptr,
     out2_ptr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     # Program (t, j) copies columns [j * BLOCK, (j + 1) * BLOCK) of row t of the [rows, 128] input.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -5,10 +5,14 @@ One program normalises one row of N elements held in registers (BLOCK_N >= N, bo
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def reduction_add_rms_norm_bf16_206bed(
+def reduction_add_rms_norm_bf16_e08443(
     x_ptr,
     res_ptr,
     sum_ptr,
@@ -18,7 +22,11 @@ def reduction_add_rms_norm_bf16_206bed(
     eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N

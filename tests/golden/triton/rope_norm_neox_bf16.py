@@ -7,10 +7,14 @@ The cos/sin cache is [max_positions, ROT]: cos in the first half, sin in the sec
 
 import triton
 import triton.language as tl
+try:  # grid dependency control (Triton >= 3.4); without it no binary is compiled with PDL=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
-def rope_norm_neox_bf16_d68340(
+def rope_norm_neox_bf16_47fcf0(
     q_ptr,
     k_ptr,
     pos_ptr,
@@ -28,7 +32,11 @@ def rope_norm_neox_bf16_d68340(
     ROT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_D)  # rotary pair index, i < ROT // 2
