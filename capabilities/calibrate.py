@@ -24,6 +24,7 @@ from portlayer.capabilities.calibrate_attention import fit, measure_paged_attent
 from portlayer.capabilities.calibrate_gemm import (
     MATMUL_DTYPES,
     TORCH_DTYPES,
+    measure_aspects,
     measure_matmul,
     measure_matmuls,
     measure_small_m,
@@ -142,6 +143,8 @@ def measure(dev: torch.device, sizes: Sizes, progress: Progress, extra: list[Ext
         got["gemm_curves"] = {k: measure_small_m(dev, k, sizes, progress) for k in wanted if k in fast}
         got["gemm_curves_small"] = {k: measure_small_m(dev, k, sizes, progress, small_k) for k in got["gemm_curves"]}
         got["gemm_small_k"] = small_k
+        if dev.type == "cuda" and got["gemm_curves"]:  # the compute dtype's skinny shapes (a ratio: any dtype reads it)
+            got["gemm_aspects"] = measure_aspects(dev, next(iter(got["gemm_curves"])), sizes, progress)
     if "attention" not in got:
         compute = next(iter(got["gemm_curves"]), "fp32")
         got["attention"] = measure_paged_attention(dev, sizes, progress, TORCH_DTYPES[compute])
@@ -222,7 +225,7 @@ def finish(raw: dict[str, Any], base_name: str, dev: torch.device, sizes: Sizes,
             "torch": vers["torch"],
         },  # fmt: skip
     }
-    for key in ("gemm_crossover", "attention_generated", "graph_step", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
+    for key in ("gemm_aspects", "gemm_crossover", "attention_generated", "graph_step", "tuning", "threads", "clock", "torch_nodes", "torch_sequence_factor",
                 "round_spread_pct"):
         if key in results:
             patch["calibration"][key] = results[key]

@@ -87,27 +87,44 @@ def _vendor_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Any:
 
 def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Progress, k: int | None = None,
                     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] = _vendor_mm,
-                    label: str = "torch.mm") -> list[dict[str, Any]]:
+                    label: str = "torch.mm", n: int | None = None) -> list[dict[str, Any]]:
     """The vendor GEMM as the compiled program calls it (``run(x, W, out)``, default torch.mm(x, W.t(), out=...))
-    at M rows x K=N=k (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its
-    size). A backend passes the call its programs make (the torch family: the linear op through host_support.ref)."""
+    at M rows x K=k (default ``sizes.gemm_k``; a second, small K gives the fixed cost a GEMM pays whatever its
+    size) x N=n (default k; :func:`measure_aspects` times the skinny shapes a model's projections have).
+    A backend passes the call its programs make (the torch family: the linear op through host_support.ref)."""
     import itertools
 
     k = k or sizes.gemm_k
-    w = torch.randn(k, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
+    n = n or k
+    w = torch.randn(n, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
     copies = max(1, min(1024, sizes.cold_bytes // (w.numel() * w.element_size())))
     weights = itertools.cycle([w] + [w.clone() for _ in range(copies - 1)])  # Sizes.cold_bytes: read cold
     rows = []
-    progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} K=N={k}"
+    progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} "
+                   + (f"K=N={k}" if n == k else f"K={k} N={n}")
                    + (f", cycling {copies} weight copies" if copies > 1 else ""))
     for m in sizes.gemm_ms:
         x = torch.randn(m, k, device=device, dtype=w.dtype)
-        out = torch.empty(m, k, device=device, dtype=w.dtype)
+        out = torch.empty(m, n, device=device, dtype=w.dtype)
         fn = lambda x=x, out=out: run(x, next(weights), out)  # noqa: E731
         fn()
         sync(device)
         t = measure_s(fn, device, sizes, sizes.budget_s, 200, graphed=True)
-        moved = (m * k + k * k + m * k) * w.element_size()
-        rows.append({"m": m, "tflops": sig(2 * m * k * k / t / 1e12), "gbps": sig(moved / t / 1e9), "us": sig(t * 1e6)})
+        moved = (m * k + n * k + m * n) * w.element_size()
+        rows.append({"m": m, "tflops": sig(2 * m * k * n / t / 1e12), "gbps": sig(moved / t / 1e9), "us": sig(t * 1e6)})
     progress.done(", ".join(f"M={r['m']} {r['tflops']:g} TFLOP/s" for r in rows))
     return rows
+
+
+#: how much longer than wide (and wider than long) the skinny shapes are: a transformer's projections run
+#: from hidden -> 3-8x hidden (Q|K|V, gate|up) to 3-4x hidden -> hidden (down, o)
+ASPECT = 4
+
+
+def measure_aspects(device: torch.device, dtype: str, sizes: Sizes, progress: Progress) -> list[dict[str, Any]]:
+    """The vendor GEMM at a wide (K, ASPECT*K) and a tall (ASPECT*K, K) weight of the same K*N as the square
+    (2K)^2, K = gemm_k // 4: at 16-64 rows a vendor GEMM on a skinny projection runs below the square curve's
+    efficiency (split-K and its reduce on the tall one), which the cost model reads as a ratio by aspect."""
+    k = max(64, sizes.gemm_k // ASPECT)
+    return [{"k": kk, "n": nn, "points": measure_small_m(device, dtype, sizes, progress, kk, n=nn)}
+            for kk, nn in ((k, ASPECT * k), (ASPECT * k, k))]

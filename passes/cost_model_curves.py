@@ -81,6 +81,7 @@ class Curves:
     graph_step: tuple[tuple[int, int, float], ...] = ()  # (batch, layers, host us a waited replayed decode step adds)
     graph_step_inputs: int = 0  # inputs the calibrated decode-step program copies into its static buffers
     graph_node_us: float = 0.0  # what each graph node adds to a replay that is waited for (host submission)
+    gemm_aspects: tuple[tuple[int, int, tuple[tuple[int, float], ...]], ...] = ()  # (K, N, (M, us)) skinny vendor GEMMs
 
     def graph_step_us(self, batch: int, layers: int = 1) -> float:
         """Host time of a replayed decode step beyond its device time (copies into the static buffers, the
@@ -150,6 +151,8 @@ class Curves:
             graph_node_us=float(launch.get("graph_node_host_us") or 0.0),
             graph_step=tuple((int(p["batch"]), int(p.get("layers", 1)), float(p["host_us"]))
                              for p in (cal.get("graph_step") or {}).get("points", ())),
+            gemm_aspects=tuple((int(a["k"]), int(a["n"]), tuple((int(p["m"]), float(p["us"])) for p in a["points"]))
+                               for a in cal.get("gemm_aspects") or () if a.get("points")),
             graph_step_inputs=len((cal.get("graph_step") or {}).get("inputs") or ["input_ids"]),
         )  # fmt: skip
 
@@ -215,16 +218,41 @@ class Curves:
                 return max(_fixed_plus_proportional(at, _at(small, m), self.crossover_k, self.crossover_small_k, k * n),
                            floor)
             return max(at * (k * n) / self.crossover_k**2, floor)
+        square = self._square_us(m, k * n, dtype)
+        if square is None:
+            return max(flops / (self.peak_tflops(dtype) * 1e6), floor)
+        return max(square * self._aspect_factor(m, k, n, dtype), floor)
+
+    def _square_us(self, m: int, kn: int, dtype: str) -> float | None:
+        """The vendor GEMM of M rows by a weight of ``kn`` elements from the square (K = N) curves; None
+        uncalibrated."""
         curve = self.gemm.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm else None
         if not curve or not self.gemm_k:
-            return max(flops / (self.peak_tflops(dtype) * 1e6), floor)
+            return None
         at = _at(curve, m)
         small = self.gemm_small.get(DTYPE_KEYS.get(dtype, dtype)) if self.gemm_small else None
         if small and self.gemm_small_k:  # two sizes: fixed cost + a part proportional to K*N
-            return max(_fixed_plus_proportional(at, _at(small, m), self.gemm_k, self.gemm_small_k, k * n,
-                                                self.host_factor if self.torch_nodes else 1.0), floor)
+            return _fixed_plus_proportional(at, _at(small, m), self.gemm_k, self.gemm_small_k, kn,
+                                            self.host_factor if self.torch_nodes else 1.0)
         base = min(self.floor_us(), curve[0][1] * 0.5)
-        return max(base + (at - base) * (k * n) / self.gemm_k**2, floor)
+        return base + (at - base) * kn / self.gemm_k**2
+
+    def _aspect_factor(self, m: int, k: int, n: int, dtype: str) -> float:
+        """How much slower (or faster) than the square curves a K x N weight runs at M rows: the measured ratio
+        at the calibrated skinny shape on the same side (wide: N > K, tall: K > N), scaled in log(N/K) from 1 at
+        the square to the full ratio at the calibrated aspect and held beyond it; 1 where not calibrated."""
+        if not self.gemm_aspects or k == n:
+            return 1.0
+        side = [(kc, nc, pts) for kc, nc, pts in self.gemm_aspects if (nc > kc) == (n > k) and nc != kc]
+        if not side:
+            return 1.0
+        kc, nc, pts = side[0]
+        square = self._square_us(m, kc * nc, dtype)
+        if not square:
+            return 1.0
+        ratio = _at(pts, m) / square
+        share = min(1.0, abs(math.log(n / k)) / abs(math.log(nc / kc)))
+        return max(0.0, 1.0 + (ratio - 1.0) * share)
 
     def sweeps_caches(self, nbytes: float) -> bool:
         """Does a kernel moving ``nbytes`` leave the next one cold (more than the sweep's cache knee)?"""

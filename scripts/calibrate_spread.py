@@ -24,6 +24,8 @@ def numbers(d: dict[str, Any]) -> dict[str, float]:
     for name in ("gemm_curves", "gemm_curves_small"):
         for k, curve in (c.get(name) or {}).items():
             out.update({f"{name.replace('gemm_curves', 'gemm')} {k} M={r['m']} us": r["us"] for r in curve})
+    for a in c.get("gemm_aspects") or []:
+        out.update({f"gemm K={a['k']} N={a['n']} M={r['m']} us": r["us"] for r in a["points"]})
     for p in (c.get("gemm_crossover") or {}).get("points", []):
         for path in ("triton", "vendor", "gemv"):
             if f"{path}_us" in p:

@@ -343,3 +343,18 @@ def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
         sizes = dataclasses.replace(CPU_QUICK, cold_bytes=cold, gemm_ms=(1, 2), reps=1, budget_s=0.01, warmup=1)
         rows = measure_small_m(torch.device("cpu"), "fp32", sizes, Progress(enabled=False), k=64, run=run)
         assert len(rows) == 2 and len(set(seen)) == want
+
+
+def test_skinny_gemm_shapes_are_timed_with_their_own_weight_and_output():
+    """measure_aspects times a wide and a tall weight of the same K*N (the shapes of a model's projections);
+    each point's TFLOP/s is 2*M*K*N over its own time (not the square's K*K)."""
+    from portlayer.capabilities.calibrate_gemm import ASPECT, measure_aspects
+    from portlayer.capabilities.calibrate_timing import Progress
+
+    got = measure_aspects(torch.device("cpu"), "fp32", TINY, Progress(enabled=False))
+    k = TINY.gemm_k // ASPECT
+    assert [(a["k"], a["n"]) for a in got] == [(k, ASPECT * k), (ASPECT * k, k)]
+    for a in got:
+        assert [p["m"] for p in a["points"]] == list(TINY.gemm_ms)
+        for p in a["points"]:
+            assert p["tflops"] == pytest.approx(2 * p["m"] * a["k"] * a["n"] / (p["us"] * 1e-6) / 1e12, rel=0.01)

@@ -143,6 +143,34 @@ def test_gemm_splits_fixed_and_proportional_cost_from_two_sizes():
     assert c.gemm_us(1, 4096, 4096, flops=0, nbytes=0, dtype="float32") == pytest.approx(50 + 1e-4 * 4096**2)
 
 
+def test_skinny_vendor_gemms_take_the_measured_ratio_to_the_square_curves_by_aspect():
+    """The square curves say 50 us + 1e-4 us per weight element; the wide shape (K=1024, N=4096) was measured
+    at 1.2x that and the tall one (4096, 1024) at 1.5x: the calibrated shapes get their measured time, a
+    shape half as skinny (aspect 2, log scale) half the excess, a skinnier one the full ratio, a square none."""
+    raw = synthetic("nvidia-h200", bandwidth=1e9)
+
+    def fit(kn):
+        return 50 + 1e-4 * kn
+
+    cal = {"gemm_k": 4096, "gemm_small_k": 512,
+           "gemm_curves": {"bf16": [{"m": 64, "us": fit(4096**2)}]},
+           "gemm_curves_small": {"bf16": [{"m": 64, "us": fit(512**2)}]},
+           "gemm_aspects": [{"k": 1024, "n": 4096, "points": [{"m": 64, "us": 1.2 * fit(1024 * 4096)}]},
+                            {"k": 4096, "n": 1024, "points": [{"m": 64, "us": 1.5 * fit(1024 * 4096)}]}]}  # fmt: skip
+    c = Curves.from_descriptor({**raw, "calibration": cal})
+
+    def us(k, n):
+        return c.gemm_us(64, k, n, flops=0, nbytes=0, dtype="bfloat16")
+
+    assert us(1024, 4096) == pytest.approx(1.2 * fit(1024 * 4096))
+    assert us(4096, 1024) == pytest.approx(1.5 * fit(1024 * 4096))
+    assert us(2048, 2048) == pytest.approx(fit(2048**2))
+    assert us(2048, 1024) == pytest.approx(1.25 * fit(2048 * 1024))
+    assert us(1024, 8192) == pytest.approx(1.2 * fit(1024 * 8192))
+    no_aspects = Curves.from_descriptor({**raw, "calibration": {k: v for k, v in cal.items() if k != "gemm_aspects"}})
+    assert no_aspects.gemm_us(64, 4096, 1024, flops=0, nbytes=0, dtype="bfloat16") == pytest.approx(fit(4096 * 1024))
+
+
 def test_generated_gemm_paths_use_their_crossover_timings():
     raw = synthetic("nvidia-h200", bandwidth=1e9)
     raw["tuning"] = {"gemv_max_tokens": 4, "triton_gemm_max_tokens": 0}
