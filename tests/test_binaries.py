@@ -293,10 +293,10 @@ mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 fn = getattr(mod, re.search(r"^def (\\w+)\\(", open({str(path)!r}).read(), re.M).group(1))
 sig = {{"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", "eps": "fp32",
-       "N": "constexpr", "BLOCK_N": "constexpr"}}
+       "N": "constexpr", "BLOCK_N": "constexpr", "PDL": "constexpr"}}
 out = {{}}
 for attrs in (None, pointer_attrs(sig)):
-    c = triton.compile(triton.compiler.ASTSource(fn, signature=sig, constexprs={{"N": 1024, "BLOCK_N": 1024}},
+    c = triton.compile(triton.compiler.ASTSource(fn, signature=sig, constexprs={{"N": 1024, "BLOCK_N": 1024, "PDL": False}},
                        attrs=attrs), target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": 1}})
     out[str(attrs is not None)] = re.findall(r"ld\\.global[\\w.]*", c.asm["ptx"])
 print(json.dumps(out))
