@@ -326,7 +326,8 @@ def test_pdl_binaries_only_for_descriptors_with_the_feature(arts):
 
 def test_pdl_kernels_wait_for_the_previous_grid_before_touching_memory():
     """The PTX of a PDL=True kernel starts with griddepcontrol.wait (then .launch_dependents) before its first
-    global load; PDL=False compiles the block away. Checked in the PTX Triton emits for sm_90."""
+    global load; a few-rows GEMV's first prefetches its weights into L2 (no kernel writes them), then waits before
+    its first load; PDL=False compiles the block away. Checked in the PTX Triton emits for sm_90."""
     import os
     import subprocess
     import sys
@@ -346,7 +347,7 @@ from portlayer.codegen import aot
 art = Path({str(art)!r})
 info = json.loads((art / "kernels.json").read_text())["kernels"]
 out = {{}}
-for name in sorted(info)[:3]:
+for name in sorted(info)[:3] + [n for n in sorted(info) if n.startswith("gemv")][:2]:
     k = info[name]
     mod = aot._module(art / "kernels" / (k["module"] + ".py"))
     for pdl in (False, True):
@@ -354,20 +355,23 @@ for name in sorted(info)[:3]:
                                         constexprs={{**k["constexprs"], "PDL": pdl}})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": k["num_warps"]}}).asm["ptx"]
         body = ptx[ptx.index(".entry"):]
-        marks = [m.group(0) for m in re.finditer(r"griddepcontrol\.\w+|ld\.global", body)]
-        out[f"{{name}}:{{pdl}}"] = marks[:3]
+        marks = [m.group(0) for m in re.finditer(r"griddepcontrol\.\w+|ld\.global|prefetch\.global\.L2", body)]
+        out[f"{{name}}:{{pdl}}"] = [m for i, m in enumerate(marks) if m != "prefetch.global.L2" or marks[i - 1 : i] != [m]][:4]
 print(json.dumps(out))
 """
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     marks = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(marks) == 6
+    assert len(marks) == 10
     for key, seen in marks.items():
-        if key.endswith(":True"):
+        if key.endswith(":True") and key.startswith("gemv"):  # the weights' prefetch into L2, then the wait
+            assert seen[:3] == ["prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents"], (key, seen)
+            assert seen[3] == "ld.global", (key, seen)
+        elif key.endswith(":True"):
             assert seen[:2] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], (key, seen)
         else:
-            assert not any(s.startswith("griddepcontrol") for s in seen), (key, seen)
+            assert not any(s.startswith(("griddepcontrol", "prefetch")) for s in seen), (key, seen)
 
 
 def test_launch_config_matches_cuda_h():

@@ -15,7 +15,7 @@ except ImportError:
 
 
 @triton.jit
-def gemv_bf16_a65977(
+def gemv_bf16_fa8977(
     a_ptr,
     w_ptr,
     c_ptr,
@@ -27,13 +27,18 @@ def gemv_bf16_a65977(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
-        gdc_wait()
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    if PDL:  # programmatic dependent launch: prefetch the weights (no kernel writes them), then wait
+        pf_rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
+        for pf_k in range(0, K, BLOCK_K):
+            pf_cols = tl.minimum(pf_k + tl.arange(0, BLOCK_K // 32) * 32, K - 1)[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [w_ptr + pf_rows + pf_cols],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)

@@ -18,7 +18,7 @@ except ImportError:
 
 
 @triton.jit
-def gemv_x3_add_rms_bf16_13f89e(
+def gemv_x3_add_rms_bf16_8c36dd(
     a_ptr,
     res_ptr,
     sum_ptr,
@@ -40,9 +40,6 @@ def gemv_x3_add_rms_bf16_13f89e(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
-        gdc_wait()
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < tl.cdiv(N0, BLOCK_N):
         w_ptr = w0_ptr
@@ -62,6 +59,14 @@ def gemv_x3_add_rms_bf16_13f89e(
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    if PDL:  # programmatic dependent launch: prefetch the weights (no kernel writes them), then wait
+        pf_rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
+        for pf_k in range(0, K, BLOCK_K):
+            pf_cols = tl.minimum(pf_k + tl.arange(0, BLOCK_K // 32) * 32, K - 1)[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [w_ptr + pf_rows + pf_cols],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Prologue: residual add + RMSNorm of the M rows, per program (K is the whole row).
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)

@@ -18,7 +18,7 @@ except ImportError:
 
 
 @triton.jit
-def gemv_x3_rms_bf16_9c21a5(
+def gemv_x3_rms_bf16_c55491(
     a_ptr,
     nw_ptr,
     w0_ptr,
@@ -38,9 +38,6 @@ def gemv_x3_rms_bf16_9c21a5(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
-        gdc_wait()
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < tl.cdiv(N0, BLOCK_N):
         w_ptr = w0_ptr
@@ -60,6 +57,14 @@ def gemv_x3_rms_bf16_9c21a5(
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    if PDL:  # programmatic dependent launch: prefetch the weights (no kernel writes them), then wait
+        pf_rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
+        for pf_k in range(0, K, BLOCK_K):
+            pf_cols = tl.minimum(pf_k + tl.arange(0, BLOCK_K // 32) * 32, K - 1)[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [w_ptr + pf_rows + pf_cols],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Prologue: RMSNorm of the M rows, per program (K is the whole row).
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)

@@ -21,11 +21,11 @@ class Program(HostProgram):
         "attn_prefill_dense_bf16_9f0a57",
         "attn_prefill_paged_bf16_482e53",
         "embedding_bf16_1cf359",
-        "gemv_add_nosum_rms_bf16_b887f8",
-        "gemv_bf16_a65977",
-        "gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0",
-        "gemv_x3_add_rms_bf16_13f89e",
-        "gemv_x3_rms_bf16_9c21a5",
+        "gemv_add_nosum_rms_bf16_da7d3a",
+        "gemv_bf16_fa8977",
+        "gemv_j2_add_rms_epi_silu_mul_bf16_bb2fab",
+        "gemv_x3_add_rms_bf16_8c36dd",
+        "gemv_x3_rms_bf16_c55491",
         "pointwise_silu_mul_cols2_e10d1e",
         "pointwise_split3_bf16_bce10d",
         "reduction_add_nosum_rms_norm_bf16_effee7",
@@ -55,7 +55,7 @@ class Program(HostProgram):
         l0_self_attn_v_proj = B.l0_self_attn_v_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_x3_rms_bf16_9c21a5[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, W.model_layers_0_self_attn_q_proj_weight, W.model_layers_0_self_attn_k_proj_weight, W.model_layers_0_self_attn_v_proj_weight, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_x3_rms_bf16_c55491[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, W.model_layers_0_self_attn_q_proj_weight, W.model_layers_0_self_attn_k_proj_weight, W.model_layers_0_self_attn_v_proj_weight, l0_self_attn_q_proj, l0_self_attn_k_proj, l0_self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             K.reduction_rms_norm_bf16_13170c[(T,)](embed_tokens_embedding, W.model_layers_0_input_layernorm_weight, l0_input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(l0_input_layernorm_rms_norm, W_T(W.model_layers_0_self_attn_q_proj_weight_cat3))  # l0_self_attn_q_proj | l0_self_attn_k_proj | l0_self_attn_v_proj: one GEMM
@@ -104,7 +104,7 @@ class Program(HostProgram):
         l0_self_attn_o_proj = B.l0_self_attn_o_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](l0_self_attn_reshape_3, W.model_layers_0_self_attn_o_proj_weight, l0_self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_fa8977[(triton.cdiv(64, 2),)](l0_self_attn_reshape_3, W.model_layers_0_self_attn_o_proj_weight, l0_self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(l0_self_attn_reshape_3, W_T(W.model_layers_0_self_attn_o_proj_weight), out=l0_self_attn_o_proj)
 
@@ -114,7 +114,7 @@ class Program(HostProgram):
         l0_mlp_mul = B.l0_mlp_mul
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0[(triton.cdiv(128, 2),)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, W.model_layers_0_mlp_gate_proj_weight, W.model_layers_0_mlp_up_proj_weight, l0_mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_j2_add_rms_epi_silu_mul_bf16_bb2fab[(triton.cdiv(128, 2),)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, W.model_layers_0_mlp_gate_proj_weight, W.model_layers_0_mlp_up_proj_weight, l0_mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             K.reduction_add_rms_norm_bf16_e08443[(T,)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, l0_post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(l0_post_attention_layernorm_rms_norm, W_T(W.model_layers_0_mlp_gate_proj_weight_cat2))  # l0_mlp_gate_proj | l0_mlp_up_proj: one GEMM
@@ -125,7 +125,7 @@ class Program(HostProgram):
         l0_mlp_down_proj = B.l0_mlp_down_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
-            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](l0_mlp_mul, W.model_layers_0_mlp_down_proj_weight, l0_mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_fa8977[(triton.cdiv(64, 2),)](l0_mlp_mul, W.model_layers_0_mlp_down_proj_weight, l0_mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(l0_mlp_mul, W_T(W.model_layers_0_mlp_down_proj_weight), out=l0_mlp_down_proj)
 
@@ -139,7 +139,7 @@ class Program(HostProgram):
         lm_head = B.lm_head
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_add_nosum_rms_bf16_b887f8[(triton.cdiv(256, 2),)](h0_0, h0_1, W.model_norm_weight, W.lm_head_weight, lm_head, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=256, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_add_nosum_rms_bf16_da7d3a[(triton.cdiv(256, 2),)](h0_0, h0_1, W.model_norm_weight, W.lm_head_weight, lm_head, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=256, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             K.reduction_add_nosum_rms_norm_bf16_effee7[(T,)](h0_0, h0_1, W.model_norm_weight, norm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             torch.mm(norm_rms_norm, W_T(W.lm_head_weight), out=lm_head)
@@ -157,7 +157,7 @@ class Program(HostProgram):
         self_attn_v_proj = B.self_attn_v_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_x3_add_rms_bf16_13f89e[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](x0, x1, add_1_prev, P.input_layernorm_weight, P.self_attn_q_proj_weight, P.self_attn_k_proj_weight, P.self_attn_v_proj_weight, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_x3_add_rms_bf16_8c36dd[(triton.cdiv(64, 2) + triton.cdiv(32, 2) + triton.cdiv(32, 2),)](x0, x1, add_1_prev, P.input_layernorm_weight, P.self_attn_q_proj_weight, P.self_attn_k_proj_weight, P.self_attn_v_proj_weight, self_attn_q_proj, self_attn_k_proj, self_attn_v_proj, 64, 32, 32, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             K.reduction_add_rms_norm_bf16_e08443[(T,)](x0, x1, add_1_prev, P.input_layernorm_weight, input_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(input_layernorm_rms_norm, W_T(P.self_attn_q_proj_weight_cat3))  # self_attn_q_proj | self_attn_k_proj | self_attn_v_proj: one GEMM
@@ -206,7 +206,7 @@ class Program(HostProgram):
         self_attn_o_proj = B.self_attn_o_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](self_attn_reshape_3, P.self_attn_o_proj_weight, self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_fa8977[(triton.cdiv(64, 2),)](self_attn_reshape_3, P.self_attn_o_proj_weight, self_attn_o_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(self_attn_reshape_3, W_T(P.self_attn_o_proj_weight), out=self_attn_o_proj)
 
@@ -216,7 +216,7 @@ class Program(HostProgram):
         mlp_mul = B.mlp_mul
         if T <= 1:  # gemm_rule: a few rows read the weights once, norm in the prologue, one launch, on the CUDA cores
             bm, bk = gemv_blocks(T, 64)
-            K.gemv_j2_add_rms_epi_silu_mul_bf16_2f89b0[(triton.cdiv(128, 2),)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, P.mlp_gate_proj_weight, P.mlp_up_proj_weight, mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_j2_add_rms_epi_silu_mul_bf16_bb2fab[(triton.cdiv(128, 2),)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, P.mlp_gate_proj_weight, P.mlp_up_proj_weight, mlp_mul, T, 1e-06, BLOCK_M=bm, BLOCK_K=bk, N=128, K=64, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             K.reduction_add_rms_norm_bf16_e08443[(T,)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(post_attention_layernorm_rms_norm, W_T(P.mlp_gate_proj_weight_cat2))  # mlp_gate_proj | mlp_up_proj: one GEMM
@@ -227,7 +227,7 @@ class Program(HostProgram):
         mlp_down_proj = B.mlp_down_proj
         if T <= 1:  # gemm_rule: a few rows read the weights once, on the CUDA cores
             bm, bk = gemv_blocks(T, 128)
-            K.gemv_bf16_a65977[(triton.cdiv(64, 2),)](mlp_mul, P.mlp_down_proj_weight, mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
+            K.gemv_bf16_fa8977[(triton.cdiv(64, 2),)](mlp_mul, P.mlp_down_proj_weight, mlp_down_proj, T, BLOCK_M=bm, BLOCK_K=bk, N=64, K=128, BLOCK_N=2, num_warps=4, num_stages=1)
         else:
             torch.mm(mlp_mul, W_T(P.mlp_down_proj_weight), out=mlp_down_proj)
         return add, mlp_down_proj,
