@@ -382,12 +382,15 @@ def device_behind_sleep(run: Callable[[], Any], dev: torch.device, iters: int) -
     return sorted(times)[len(times) // 2]
 
 
+GRAPH_STEP_ROUNDS = 8  # rounds the timed steps of each batch are split into (interleaved)
+
+
 def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: Sizes, desc: Any, dtype: torch.dtype,
                        tmp: str, context: int = 16, layers: tuple[int, ...] = GRAPH_STEP_LAYERS) -> dict[str, Any] | None:
     """Host microseconds a replayed decode step adds to its device time when each step is waited for (as
     `portlayer bench` times it): the copies into the static buffers, the graph's pointer key, the replay call,
     the output copy, the wait. Programs of ``layers`` attention layers (one_decode_step), at batch 1 and the
-    largest batch of ``sizes.attn_points``: wall (run + synchronize, median of 200) minus the same step's device
+    largest batch of ``sizes.attn_points``: wall (run + synchronize, median of 200 in interleaved rounds) minus the same step's device
     time (timed behind a sleep kernel). The cost model takes the fixed part and the slope per layer."""
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
@@ -404,6 +407,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
         write_program(generate(result.graph, result.plan, result.descriptor), out)
         prog = load_program(out, result.graph.weights, str(dev), result.plan)
         with torch.inference_mode():
+            steps = {}
             for batch in sorted({1, top}):
                 _, ctx, _ = paged_case(batch, context, sizes.attn_heads, dtype, dev)
                 caches = [ctx.kv_cache[0]] + [tuple(torch.zeros_like(c) for c in ctx.kv_cache[0])
@@ -420,15 +424,21 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
                 for _ in range(5):
                     step()
                 torch.cuda.synchronize(dev)
-                if not getattr(prog, "_graphs", None):  # the step ran eagerly: not what this measures
-                    continue
-                walls = []
-                for _ in range(200):
-                    t0 = time.perf_counter()
-                    step()
-                    torch.cuda.synchronize(dev)
-                    walls.append(time.perf_counter() - t0)
-                wall = sorted(walls)[len(walls) // 2] * 1e6
+                if getattr(prog, "_graphs", None):  # else the step ran eagerly: not what this measures
+                    steps[batch] = step
+            # the batches' steps interleaved in rounds, so a drift of the host (clock, a neighbour) falls on
+            # every point alike: timed one after the other, the batch-1 point of one call read 77 us and the
+            # next call's 40 (session 12)
+            walls: dict[int, list[float]] = {b: [] for b in steps}
+            for _ in range(GRAPH_STEP_ROUNDS):
+                for batch, step in steps.items():
+                    for _ in range(200 // GRAPH_STEP_ROUNDS):
+                        t0 = time.perf_counter()
+                        step()
+                        torch.cuda.synchronize(dev)
+                        walls[batch].append(time.perf_counter() - t0)
+            for batch, step in steps.items():
+                wall = sorted(walls[batch])[len(walls[batch]) // 2] * 1e6
                 device = device_behind_sleep(step, dev, 50)
                 points.append({"batch": batch, "layers": n_layers, "wall_us": sig(wall), "device_us": sig(device),
                                "host_us": sig(max(0.0, wall - device))})
