@@ -76,7 +76,8 @@ def make_engine(args: argparse.Namespace, timings: dict[str, float]) -> tuple[An
         timings["build_model_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = args.artifact_out or os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "artifact")
-        portlayer.compile(model, target=args.compile_target, output=out, progress=False, quantize=args.quantize)
+        portlayer.compile(model, target=args.compile_target, output=out, progress=False, quantize=args.quantize,
+                          calibration_device=args.calibration_device)
         timings["compile_s"] = time.perf_counter() - t0
         del model
         args.artifact = out
@@ -224,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile the synthetic model for this descriptor (name, 'auto' or path) and serve the generated program")
     p.add_argument("--quantize", default=None, choices=("none", "int8", "int4"),
                    help="with --compile-target: weight-only quantization of the compiled artifact")
+    p.add_argument("--calibration-device", default=None,
+                   help="with --quantize: where the quantize pass calibrates and the quality gate runs (e.g. cuda)")
     p.add_argument("--artifact-out", default=None, help="with --compile-target: write the artifact here (to validate it later)")
     p.add_argument("--descriptor", default=None, help="descriptor for the plan (default: the backend's probed one)")
     p.add_argument("--layers", type=int, default=28)

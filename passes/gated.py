@@ -57,8 +57,9 @@ def measurable(graph: Graph) -> bool:
 
 def run_gated(graph: Graph, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None,
               prompts: Sequence[torch.Tensor] = (), say: Callable[[str], None] | None = None,
-              max_rounds: int = 3) -> GateOutcome:
-    """run_pipeline, then the gate on the lossy format it chose; re-plan on a default pick that fails."""
+              max_rounds: int = 3, device: str | None = None) -> GateOutcome:
+    """run_pipeline, then the gate on the lossy format it chose; re-plan on a default pick that fails.
+    ``device``: where the quantize pass calibrates (its ``calibration_device``) and the gate runs (default cpu)."""
     say = say or (lambda _m: None)
     overrides = dict(overrides or {})
     explicit = overrides.get("weight_quantization") not in LOSSLESS
@@ -66,7 +67,8 @@ def run_gated(graph: Graph, descriptor: Descriptor | str, overrides: Mapping[str
     failed: list[GateResult] = []
     for _ in range(max_rounds):
         ov = dict(overrides, **({GATE_REJECTED: dict(rejected)} if rejected else {}))
-        result = run_pipeline(graph, descriptor, overrides=ov)
+        result = run_pipeline(graph, descriptor, overrides=ov,
+                              **({"options": {"calibration_device": device}} if device else {}))
         mode = result.plan.weight_quantization
         if mode in LOSSLESS:
             return GateOutcome(result, None, failed, explicit)
@@ -77,7 +79,7 @@ def run_gated(graph: Graph, descriptor: Descriptor | str, overrides: Mapping[str
                               f"{graph.meta.get('task')!r}, so a lossy format is not picked by default")
             continue
         say(f"quality gate for {mode}")
-        g = gate(graph, result.graph, mode, prompts)
+        g = gate(graph, result.graph, mode, prompts, device=device or "cpu")
         if g.passed or explicit or mode in rejected:
             return GateOutcome(result, g, failed, explicit)
         failed.append(g)

@@ -150,9 +150,10 @@ def evaluate(reference: Graph, lossy: Graph, mode: str, text_ids: torch.Tensor, 
     return res
 
 
-def gate(reference: Graph, lossy: Graph, mode: str, prompts: Sequence[torch.Tensor] = (), max_tokens: int = 256) -> GateResult:
-    """The gate on the built-in held-out text (passes/gate_text.txt) plus ``prompts``."""
+def gate(reference: Graph, lossy: Graph, mode: str, prompts: Sequence[torch.Tensor] = (), max_tokens: int = 256,
+         device: str | torch.device = "cpu") -> GateResult:
+    """The gate on the built-in held-out text (passes/gate_text.txt) plus ``prompts``, run on ``device``."""
     from portlayer.passes.calibration import GATE_TEXT, token_ids
 
     ids, how = token_ids(reference, GATE_TEXT, max_tokens)
-    return evaluate(reference, lossy, mode, ids, how, prompts)
+    return evaluate(reference, lossy, mode, ids, how, prompts, device=device)

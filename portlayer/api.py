@@ -65,6 +65,21 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool
     return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
+def _calibration_device(value: str) -> str:
+    """A torch device string this process can use for the quantize pass's calibration and the quality gate."""
+    import torch
+
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise CompileError(f"--calibration-device {value!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CompileError(f"--calibration-device {value!r}: this machine has no CUDA device; leave it at cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise CompileError(f"--calibration-device {value!r}: only cpu and cuda run the calibration")
+    return str(dev)
+
+
 def _tp_option(value: int | str) -> int | str:
     if str(value) == "auto":
         return "auto"
@@ -88,6 +103,7 @@ def compile(  # noqa: A001 - the public name users expect
     verify: bool = True,
     tensor_parallel: int | str | None = None,
     sources_only: bool | None = None,
+    calibration_device: str | None = None,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
@@ -95,7 +111,9 @@ def compile(  # noqa: A001 - the public name users expect
     nn.Module or a captured Graph. ``target``: "auto", a shipped descriptor name or a
     descriptor .json path. A compile whose key is already cached returns at once. ``sources_only``: GPU
     targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
-    ``tensor_parallel``: N ranks or "auto" (docs/parallel.md).
+    ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). ``calibration_device``: where an int8/int4 compile
+    runs its calibration and quality gate (default cpu; "cuda" on a GPU host makes a big model's int4 compile
+    minutes faster; docs/quantization.md).
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
@@ -113,6 +131,8 @@ def compile(  # noqa: A001 - the public name users expect
         options["sources_only"] = True  # GPU targets: no kernel binaries (JIT on the device); keyed apart
     if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
         options["tensor_parallel"] = _tp_option(tensor_parallel)
+    if calibration_device not in (None, "cpu"):  # absent for the CPU default, so other cache keys do not move
+        options["calibration_device"] = _calibration_device(calibration_device)
     desc = resolve_target(target)
     t_src = time.perf_counter()
     src = model_source(model)  # the model's digest (its weights' bytes hashed unless memoised) for the cache key

@@ -255,16 +255,18 @@ def optimize(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any] | N
 
 
 def optimize_with_gate(graph: Graph, descriptor: Descriptor, overrides: dict[str, Any], strict: bool,
-                       say: Callable[[str], None]) -> tuple[Any, str, dict[str, Any] | None]:
+                       say: Callable[[str], None], calibration_device: str | None = None,
+                       ) -> tuple[Any, str, dict[str, Any] | None]:
     """optimize() behind the quality gate (passes/gated.py): a lossy format the policy picked by default
-    is kept only if it passes; an explicit one below threshold warns loudly, or is refused with strict."""
+    is kept only if it passes; an explicit one below threshold warns loudly, or is refused with strict.
+    ``calibration_device``: where the quantize pass calibrates and the gate runs (default cpu)."""
     import sys
 
     from portlayer.passes.gated import run_gated
     from portlayer.runtime.validation import build_cases
 
     prompts = [c.steps[0].input_ids for c in build_cases(graph) if not c.paged]
-    outcome = run_gated(graph, descriptor, overrides, prompts=prompts, say=say)
+    outcome = run_gated(graph, descriptor, overrides, prompts=prompts, say=say, device=calibration_device)
     for line in outcome.lines():
         print(f"[portlayer] {line}", file=sys.stderr)
     if outcome.warning:
@@ -362,7 +364,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
                                    ("tensor_parallel", options.get("tensor_parallel"))) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")
-        result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say)
+        result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say,
+                                                          options.get("calibration_device"))
     block_size = int(getattr(result.plan, "kv_block_size", None) or 16)
     from portlayer.runtime.parallel.shards import rank_graphs, world_size, write_shards
 

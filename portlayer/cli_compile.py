@@ -22,6 +22,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="refuse a --quantize format below the quality gate (docs/quantization.md)")
     p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
                    help="shard over N ranks (torch.distributed; auto: the smallest N that fits), docs/parallel.md")
+    p.add_argument("--calibration-device", default=None, metavar="DEV",
+                   help="where --quantize int8/int4 calibrates and runs the quality gate (default cpu; cuda on a GPU host)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the capture self-check against the model's own forward (warns)")
@@ -75,7 +77,7 @@ def run_compile(args: argparse.Namespace) -> int:
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
                             quantize=args.quantize, progress=not args.no_progress, strict=args.strict,
                             verify=not args.no_verify, sources_only=args.sources_only or None,
-                            tensor_parallel=args.tensor_parallel)
+                            tensor_parallel=args.tensor_parallel, calibration_device=args.calibration_device)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")

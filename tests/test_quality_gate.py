@@ -101,3 +101,48 @@ def test_calibrated_clip_beats_round_to_nearest_sequential_or_not(captured):
     assert "output-error clip, sequential" in res["seq"].graph.meta["quantization"]["method"]
     kl = {k: Q.gate(g, r.graph, "int4").mean_kl for k, r in res.items()}
     assert kl["seq"] < kl["rtn"] and kl["float"] < kl["rtn"], kl
+
+
+def test_calibration_device_reaches_the_quantize_pass_and_the_gate(captured, monkeypatch):
+    """run_gated(device=...) hands the device to the quantize pass (its calibration_device) and to the gate; the
+    result on an explicit cpu is the default's (same codes, same gate figures)."""
+    import portlayer.passes.gated as G
+    import portlayer.passes.quantize as QZ
+
+    g = captured["tiny-qwen3"]
+    seen: dict[str, list] = {"pass": [], "gate": []}
+    real_calibrated, real_gate = QZ._calibrated, G.gate
+
+    def calibrated(graph, ctx, *a, **k):
+        seen["pass"].append(ctx.options.get("calibration_device"))
+        return real_calibrated(graph, ctx, *a, **k)
+
+    def gate(*a, **k):
+        seen["gate"].append(k.get("device"))
+        return real_gate(*a, **k)
+
+    monkeypatch.setattr(QZ, "_calibrated", calibrated)
+    monkeypatch.setattr(G, "gate", gate)
+    ov = {"weight_quantization": "int4"}
+    explicit = G.run_gated(g, "cpu-x86_64", ov, device="cpu")
+    default = G.run_gated(g, "cpu-x86_64", ov)
+    assert seen == {"pass": ["cpu", None], "gate": ["cpu", "cpu"]}
+    assert explicit.gate.top1 == default.gate.top1 and explicit.gate.mean_kl == default.gate.mean_kl
+    for name in explicit.result.graph.weights:
+        assert torch.equal(explicit.result.graph.weights[name], default.result.graph.weights[name]), name
+
+
+def test_a_calibration_device_this_machine_lacks_is_a_clear_compile_error(tiny_dirs):
+    """`portlayer compile --calibration-device cuda` without a GPU (or a device that is not one) says so, naming
+    the flag, with no traceback."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for dev, says in (("cuda", "no CUDA device"), ("gpu0", "is not a device")):
+        r = subprocess.run([sys.executable, "-m", "portlayer.cli", "compile", str(tiny_dirs["tiny-qwen3"]), "--target",
+                            "cpu-x86_64", "--quantize", "int4", "--calibration-device", dev, "--no-progress"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "--calibration-device" in r.stderr and says in r.stderr, r.stderr[-800:]
+        assert "Traceback" not in r.stderr
