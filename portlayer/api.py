@@ -112,8 +112,8 @@ def compile(  # noqa: A001 - the public name users expect
     descriptor .json path. A compile whose key is already cached returns at once. ``sources_only``: GPU
     targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
     ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). ``calibration_device``: where an int8/int4 compile
-    runs its calibration and quality gate (default cpu; "cuda" on a GPU host makes a big model's int4 compile
-    minutes faster; docs/quantization.md).
+    runs its calibration and quality gate (default cpu; "cuda" on a GPU host, where a big model's calibration on
+    the CPU takes minutes; docs/quantization.md).
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
