@@ -20,7 +20,9 @@ from portlayer.flatten.ir import GraphBuilder, TensorType
 pytestmark = pytest.mark.interpreter
 EPS = 1e-6
 LAUNCH = {"gemm": {"num_warps": 4, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 1},
-          "gemv": {"num_warps": 4, "TILE": 512, "PROGRAMS": 2, "num_stages": 1}}
+          "gemv": {"num_warps": 4, "TILE": 512, "PROGRAMS": 2, "num_stages": 1},
+          # K tiles of 64, two unrolled a loop step: the small K here still takes several steps and partial tiles
+          "gemv_wq": {"num_warps": 4, "BLOCK_N": 4, "BLOCK_K": 64, "UNROLL": 2, "num_stages": 1}}
 
 
 @pytest.fixture(autouse=True)
@@ -125,17 +127,20 @@ def test_quantized_fused_decode_group(tmp_path, monkeypatch, kind, bits, k, grou
             assert o.shape == w.shape and rel_err(o, w) <= 1e-4, (t, rel_err(o, w))
 
 
-def test_tiles_inside_a_group_and_spanning_groups_both_run(tmp_path):
-    """The cases above reach both dequant forms of _dequant.j2 (else a form would go untested)."""
-    forms = set()
+def test_the_cases_reach_every_tiling_of_the_quantized_loop(tmp_path):
+    """The cases above reach sub-groups smaller than the group (per channel, groups of 3 x 2^n) and equal to it,
+    a partial last K tile, and K loops of several steps (else a branch of _dequant.j2's loop would go untested)."""
+    seen = set()
     for kind, bits, k, group, offsets in CASES:
         graph, _ = _build(kind, bits, k, group, offsets)
         gen, _ = build_program(graph, tmp_path / f"{kind}{bits}{k}{group}", launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
         for spec in gen.kernels.values():
-            if spec.name.startswith("gemv_"):
-                forms |= {f for f, mark in (("in", "one scale per column"), ("span", "one scale per (column, group)"))
-                          if mark in spec.source}
-    assert forms == {"in", "span"}, forms
+            c = spec.constexprs
+            if spec.name.startswith("gemv_") and "SUB" in c:
+                seen |= {"sub < group"} if c["SUB"] < c["G"] else {"sub = group"}
+                seen |= {"partial tile"} if k % c["BLOCK_K"] else set()
+                seen |= {"several steps"} if k > c["BLOCK_K"] * c["UNROLL"] else set()
+    assert seen == {"sub < group", "sub = group", "partial tile", "several steps"}, seen
 
 
 def test_a_float_and_a_quantized_sibling_are_refused_with_a_reason(tmp_path):

@@ -171,10 +171,13 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     cfg = ctx.cfg("gemv" if few_rows else "gemm")
     if few_rows:
         bn, bk = gemv_tiles(cfg, n_out, k_in, dot=dot)
+        qconst: dict[str, int] = {}
         if quant and dot:  # the tile is dequantized element by element: any K tile, each column its group's scale
-            quant.update(least=32, in_group=False, dot=True)
-        elif quant:  # tiles inside a group (per channel, large groups) or spanning whole groups
-            bn, bk, quant["in_group"], quant["least"] = quant_tiles(cfg, n_out, k_in, gsize)
+            quant.update(least=32, dot=True)
+        elif quant:  # sub-group tiles, their launch config the Plan's launch.gemv_wq
+            cfg = ctx.cfg("gemv_wq")
+            tiles = quant_tiles(cfg, k_in, gsize)
+            bn, bk, quant["least"], qconst = tiles.bn, tiles.bk, tiles.least, tiles.const
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -187,6 +190,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         if not few_rows:  # the tensor-core kernel scales a whole K tile once: tiles stay in a group
             const["BLOCK_K"] = _block_k(gsize, cfg["BLOCK_K"], 32 if bits == 4 else 16)
         const["G"] = gsize
+        if few_rows:
+            const.update(qconst)
         params += [Param("q_ptr", ptr(ctx.types[qw].dtype)), Param("s_ptr", ptr(ctx.types[sc].dtype))]
         args += [qw, sc]
         if off is not None:

@@ -79,10 +79,12 @@ class Weights:
     quant: dict[str, Any] | None
     least: int = 32
     dot: bool = False  # the tensor-core tier's tiles (16 columns a program; gemv_blocks(..., tensor_cores=True))
+    cfg: dict[str, int] = field(default_factory=dict)  # the launch config: launch.gemv, or launch.gemv_wq (quantized)
+    tile_const: dict[str, int] = field(default_factory=dict)  # the quantized CUDA-core tier's SUB and UNROLL
 
     @property
     def const(self) -> dict[str, int]:
-        return {"G": self.quant["G"]} if self.quant else {}
+        return {"G": self.quant["G"], **self.tile_const} if self.quant else {}
 
     @property
     def tag(self) -> str:
@@ -107,23 +109,26 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
     if linears[0].op != "linear_wq":
         bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=dot)
         return Weights([Param(f"w{i}_ptr", ptr(ctx.types[x.inputs[1]].dtype)) for i, x in enumerate(linears)],
-                       [x.inputs[1] for x in linears], bn, bk, None, dot=dot)
+                       [x.inputs[1] for x in linears], bn, bk, None, dot=dot, cfg=cfg)
     lin = linears[0]
     bits, group = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
     offsets = len(lin.inputs) > 4 and lin.inputs[4] is not None
+    tile_const: dict[str, int] = {}
     if dot:  # each element of the tile is dequantized with its own group's scale: any K tile
         bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=True)
-        in_group, least = False, 32
-    else:
-        bn, bk, in_group, least = quant_tiles(cfg, n, k, group, parts)
+        least = 32
+    else:  # sub-group tiles, their launch config the Plan's launch.gemv_wq
+        cfg = ctx.cfg("gemv_wq")
+        tiles = quant_tiles(cfg, k, group, parts)
+        bn, bk, least, tile_const = tiles.bn, tiles.bk, tiles.least, tiles.const
     params: list[Param] = []
     args: list[str] = []
     for i, x in enumerate(linears):
         names = [x.inputs[1], x.inputs[2]] + ([x.inputs[4]] if offsets else [])
         params += [Param(f"{c}{i}_ptr", ptr(ctx.types[v].dtype)) for c, v in zip("qso", names)]
         args += names
-    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "in_group": in_group, "G": group, "dot": dot},
-                   least, dot)
+    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "G": group, "dot": dot}, least, dot, cfg,
+                   tile_const)
 
 
 def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None, dot: bool = False
@@ -133,8 +138,8 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None,
     x_t = ctx.types[linears[0].inputs[0]]
     ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in linears]
     k_in = int(x_t.shape[-1])
-    cfg = ctx.cfg("gemv")
     ws = _weights(ctx, linears, sum(ns), k_in, dot=dot)
+    cfg = ws.cfg
     bn, bk = ws.bn, ws.bk
     parts = len(linears)
     biases = [bias_of(n) for n in linears]
@@ -177,8 +182,8 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     n_out = int(ctx.types[linears[0].inputs[1]].shape[0])
     k_in = int(x_t.shape[-1])
     parts = len(linears)
-    cfg = ctx.cfg("gemv")
     ws = _weights(ctx, linears, n_out, k_in, parts, dot=dot)
+    cfg = ws.cfg
     bn, bk = ws.bn, ws.bk
     out_name = epilogue[-1].outputs[0].name
     out_t = ctx.types[out_name]

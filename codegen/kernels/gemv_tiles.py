@@ -8,6 +8,8 @@ listed so GPU artifacts ship a binary for each.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from portlayer.codegen.host_support import gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext
 from portlayer.codegen.spec import TL_DTYPE, pow2
@@ -61,22 +63,35 @@ def gemv_tiles(cfg: dict[str, int], n: int, k: int, group: int = 32, dot: bool =
     return bn, bk
 
 
-def quant_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
-    """(BLOCK_N, BLOCK_K, in_group, least BLOCK_K) of a quantized few-rows kernel: the K tile lies inside one
-    group (per channel, large or non-power-of-two groups: the largest power of two dividing the group) or
-    holds whole power-of-two groups; ``least`` bounds the tile gemv_blocks narrows as rows grow.
-    linear_wq's lowering takes groups that are multiples of 16 (int8) / 32 (int4), so a tile always exists."""
-    cfg = {**cfg, "TILE": max(32, cfg["TILE"] // tile_parts)}
-    bn, bk = gemv_tiles(cfg, n, k)
-    if group % bk == 0:
-        return bn, bk, True, min(32, bk)
-    if pow2(group) == group:
-        bn, bk = gemv_tiles(cfg, n, k, max(32, group))
-        return bn, bk, bk <= group, min(bk, max(32, group))
-    d = 1
-    while group % (d * 2) == 0 and d * 2 <= bk:
-        d *= 2
-    return bn, d, True, d
+@dataclass(frozen=True)
+class QuantTiles:
+    """The quantized CUDA-core tier's tiles: BLOCK_N columns a program, K tiles of BLOCK_K (at one row) read as
+    BLOCK_K // SUB sub-groups of SUB columns (a power of two dividing the group: one scale each, broadcast), and
+    UNROLL tiles unrolled per loop step. ``least``: the narrowest K tile gemv_blocks may pick as rows grow."""
+
+    bn: int
+    bk: int
+    sub: int
+    unroll: int
+
+    @property
+    def least(self) -> int:
+        return self.sub
+
+    @property
+    def const(self) -> dict[str, int]:
+        return {"SUB": self.sub, "UNROLL": self.unroll}
+
+
+def quant_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> QuantTiles:
+    """The tiles of a quantized few-rows kernel from the Plan's launch.gemv_wq config (``parts``: weights each
+    program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes (multiples of 16 / 32,
+    per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most BLOCK_K."""
+    sub = 1
+    while group % (sub * 2) == 0 and sub * 2 <= cfg["BLOCK_K"]:
+        sub *= 2
+    bk = max(sub, min(cfg["BLOCK_K"], pow2(k)))
+    return QuantTiles(max(1, cfg["BLOCK_N"] // parts), bk, sub, max(1, min(cfg["UNROLL"], -(-k // bk))))
 
 
 def gemv_blocks_call(m: str, block_k: int, least: int, dot: bool) -> str:
