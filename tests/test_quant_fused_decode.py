@@ -50,15 +50,16 @@ def _quantized(g: torch.Generator, n: int, k: int, bits: int, group: int, offset
     return stored, s, o, w.reshape(n, k)
 
 
-def _build(kind: str, bits: int, k: int, group: int, offsets: bool, mixed: bool = False):
-    """The graph and a float64 reference function of (x, r) for one fused decode group."""
+def _build(kind: str, bits: int, k: int, group: int, offsets: bool, mixed: bool = False, norm: bool = True):
+    """The graph and a float64 reference function of (x, r) for one fused decode group (``norm``: with the residual
+    add + RMSNorm before the linears; without it the linears read x, and r is unused)."""
     g = torch.Generator().manual_seed(bits * 1000 + k * 7 + group + len(kind))
     b = GraphBuilder()
     x = b.add_input("x", TensorType("float32", ("num_tokens", k)))
-    r = b.add_input("r", TensorType("float32", ("num_tokens", k))) if kind != "single" else None
+    r = b.add_input("r", TensorType("float32", ("num_tokens", k))) if kind != "single" and norm else None
     nw = (0.5 + torch.rand(k, generator=g))
     h = b.add1("add", [x, r]) if r else x
-    y = b.add1("rms_norm", [h, b.add_param("nw", nw)], {"eps": EPS})
+    y = b.add1("rms_norm", [h, b.add_param("nw", nw)], {"eps": EPS}) if norm else x
     ns = {"single": [40], "siblings": [24, 8, 8], "joint": [36, 36]}[kind]
     ws, biases, outs = [], [], []
     for i, n in enumerate(ns):
@@ -77,15 +78,15 @@ def _build(kind: str, bits: int, k: int, group: int, offsets: bool, mixed: bool 
             ws.append(w)
         biases.append(bias)
     if kind == "joint":
-        b.graph.outputs = [b.add1("mul", [b.add1("silu", [outs[0]]), outs[1]]), h]
+        b.graph.outputs = [b.add1("mul", [b.add1("silu", [outs[0]]), outs[1]])] + ([h] if norm else [])
     else:
         b.graph.outputs = outs
 
     def want(xv: torch.Tensor, rv: torch.Tensor | None) -> list[torch.Tensor]:
-        hv = xv.double() + (rv.double() if rv is not None else 0)
-        yv = hv * torch.rsqrt(hv.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()
+        hv = xv.double() + (rv.double() if rv is not None and norm else 0)
+        yv = hv * torch.rsqrt(hv.pow(2).mean(-1, keepdim=True) + EPS) * nw.double() if norm else hv
         lin = [F.linear(yv, w, None if bb is None else bb.double()) for w, bb in zip(ws, biases)]
-        return [F.silu(lin[0]) * lin[1], hv] if kind == "joint" else lin
+        return ([F.silu(lin[0]) * lin[1]] + ([hv] if norm else [])) if kind == "joint" else lin
 
     return b.graph, want
 
@@ -127,20 +128,17 @@ def test_quantized_fused_decode_group(tmp_path, monkeypatch, kind, bits, k, grou
             assert o.shape == w.shape and rel_err(o, w) <= 1e-4, (t, rel_err(o, w))
 
 
-def test_the_cases_reach_every_tiling_of_the_quantized_loop(tmp_path):
-    """The cases above reach sub-groups smaller than the group (per channel, groups of 3 x 2^n) and equal to it,
-    a partial last K tile, and K loops of several steps (else a branch of _dequant.j2's loop would go untested)."""
-    seen = set()
+def test_tiles_inside_a_group_and_spanning_groups_both_run(tmp_path):
+    """The cases above reach both dequant forms of _dequant.j2 (else a form would go untested)."""
+    forms = set()
     for kind, bits, k, group, offsets in CASES:
         graph, _ = _build(kind, bits, k, group, offsets)
         gen, _ = build_program(graph, tmp_path / f"{kind}{bits}{k}{group}", launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
         for spec in gen.kernels.values():
-            c = spec.constexprs
-            if spec.name.startswith("gemv_") and "SUB" in c:
-                seen |= {"sub < group"} if c["SUB"] < c["G"] else {"sub = group"}
-                seen |= {"partial tile"} if k % c["BLOCK_K"] else set()
-                seen |= {"several steps"} if k > c["BLOCK_K"] * c["UNROLL"] else set()
-    assert seen == {"sub < group", "sub = group", "partial tile", "several steps"}, seen
+            if spec.name.startswith("gemv_"):
+                forms |= {f for f, mark in (("in", "one scale per column"), ("span", "one scale per (column, group)"))
+                          if mark in spec.source}
+    assert forms == {"in", "span"}, forms
 
 
 def test_a_float_and_a_quantized_sibling_are_refused_with_a_reason(tmp_path):
@@ -153,3 +151,50 @@ def test_a_float_and_a_quantized_sibling_are_refused_with_a_reason(tmp_path):
         xv, rv = torch.randn(t, 64, generator=g), torch.randn(t, 64, generator=g)
         for o, w in zip(prog.run({"x": xv, "r": rv}, None, None), want(xv, rv)):
             assert rel_err(o, w) <= 1e-4, (t, rel_err(o, w))
+
+
+NO_NORM = [  # kind, bits, K, group, offsets: the sub-group form (no norm prologue), sub-groups below and at the group
+    ("single", 4, 192, 192, False), ("single", 8, 96, 32, True), ("single", 4, 320, 64, True),
+    ("siblings", 4, 128, 32, True), ("siblings", 8, 80, 80, False), ("joint", 4, 96, 32, False),
+    ("joint", 8, 112, 112, True),
+]
+
+
+@pytest.mark.parametrize("kind,bits,k,group,offsets", NO_NORM)
+def test_quantized_decode_group_without_a_norm(tmp_path, monkeypatch, kind, bits, k, group, offsets):
+    """Linears that read their input directly take the sub-group form (launch.gemv_wq's tiles); at 1 and 3 rows
+    their few-rows launches match the float64 reference, as do the larger row counts' paths."""
+    from portlayer.codegen import gemm_rule
+
+    graph, want = _build(kind, bits, k, group, offsets, norm=False)
+    launches: list[str] = []
+    record_launches(monkeypatch, launches)
+    monkeypatch.setattr(gemm_rule, "wq_vendor_min_tokens", lambda descriptor: 6)
+    gen, prog = build_program(graph, tmp_path, launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
+    few = [s for s in gen.kernels.values() if s.name.startswith("gemv_")]
+    assert few and all("SUB" in s.constexprs and "rms" not in s.name for s in few), [s.name for s in few]
+    g = torch.Generator().manual_seed(k)
+    for t in (1, 3, 5, 7):
+        xv = torch.randn(t, k, generator=g)
+        launches.clear()
+        ours = prog.run({"x": xv}, None, None)
+        if t <= 4:  # only the few-rows kernels (and the joint's epilogue, when it did not fuse)
+            assert launches and all(n.startswith(("gemv_", "pointwise")) for n in launches), launches
+        for o, w in zip(ours, want(xv, None)):
+            assert o.shape == w.shape and rel_err(o, w) <= 1e-4, (t, rel_err(o, w))
+
+
+def test_the_no_norm_cases_reach_every_tiling_of_the_sub_group_loop(tmp_path):
+    """The cases above reach sub-groups smaller than the group (per channel, groups of 3 x 2^n) and equal to it,
+    a partial last K tile, and K loops of several steps (else a branch of _dequant.j2's sub_loop would go untested)."""
+    seen = set()
+    for kind, bits, k, group, offsets in NO_NORM:
+        graph, _ = _build(kind, bits, k, group, offsets, norm=False)
+        gen, _ = build_program(graph, tmp_path / f"{kind}{bits}{k}{group}", launch=LAUNCH, gemv_max_tokens=4, gemv_dot_max_tokens=0)
+        for spec in gen.kernels.values():
+            c = spec.constexprs
+            if spec.name.startswith("gemv_") and "SUB" in c:
+                seen |= {"sub < group"} if c["SUB"] < c["G"] else {"sub = group"}
+                seen |= {"partial tile"} if k % c["BLOCK_K"] else set()
+                seen |= {"several steps"} if k > c["BLOCK_K"] * c["UNROLL"] else set()
+    assert seen == {"sub < group", "sub = group", "partial tile", "several steps"}, seen

@@ -28,8 +28,9 @@ from portlayer.codegen.kernels.gemv_tiles import (
     few_rows_tiers,
     gemv_blocks_call,
     gemv_tiles,
-    quant_tiles,
+    sub_group_tiles,
     tier_why,
+    whole_k_tiles,
 )
 from portlayer.codegen.kernels.pointwise import build_pointwise
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup
@@ -155,7 +156,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         bias = lin.inputs[3] if len(lin.inputs) > 3 else None
         off = lin.inputs[4] if len(lin.inputs) > 4 else None
         bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
-        quant = {"bits": bits, "offsets": off is not None, "dot": False}
+        quant = {"bits": bits, "offsets": off is not None, "dot": False, "in_group": False, "sub": False}
         n_out = int(ctx.types[qw].shape[0])
         k_in = int(ctx.types[x].shape[-1])
     else:
@@ -174,10 +175,12 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         qconst: dict[str, int] = {}
         if quant and dot:  # the tile is dequantized element by element: any K tile, each column its group's scale
             quant.update(least=32, dot=True)
+        elif quant and prologue is not None:  # whole-K tiles: each program recomputes the row's norm
+            bn, bk, quant["in_group"], quant["least"] = whole_k_tiles(cfg, n_out, k_in, gsize)
         elif quant:  # sub-group tiles, their launch config the Plan's launch.gemv_wq
             cfg = ctx.cfg("gemv_wq")
-            tiles = quant_tiles(cfg, k_in, gsize)
-            bn, bk, quant["least"], qconst = tiles.bn, tiles.bk, tiles.least, tiles.const
+            tiles = sub_group_tiles(cfg, k_in, gsize)
+            bn, bk, quant["least"], qconst, quant["sub"] = tiles.bn, tiles.bk, tiles.least, tiles.const, True
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
@@ -308,7 +311,7 @@ def _build_one(ctx: GenContext, group: KernelGroup, few_rows: bool) -> GroupCode
     weight = ctx.types[lin.inputs[1]]
     small = ctx.gemv_max_weight_bytes <= 0 or weight.nbytes({}) <= ctx.gemv_max_weight_bytes
     tiers = few_rows_tiers(ctx)
-    if few_rows and small:  # quantized: quant_tiles finds a K tile for every group linear_wq's lowering takes
+    if few_rows and small:  # quantized: gemv_tiles finds a K tile for every group linear_wq's lowering takes
         for limit, dot in tiers:
             spec, args, const, cfg = build_gemm_kernel(ctx, group, few_rows=True, dot=dot)
             code.kernels.append(spec)

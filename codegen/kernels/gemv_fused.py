@@ -22,7 +22,8 @@ from portlayer.codegen.kernels.gemv_tiles import (
     few_rows_choices,
     gemv_blocks_call,
     gemv_tiles,
-    quant_tiles,
+    sub_group_tiles,
+    whole_k_tiles,
 )
 from portlayer.codegen.spec import KernelSpec, Param, ptr, short_dtype
 from portlayer.flatten.ir import Node
@@ -101,10 +102,11 @@ class Weights:
         return {"dot": dt, "dot_args": dot_args("float32" if dt == "tl.float32" else x_dtype)}
 
 
-def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 1, dot: bool = False) -> Weights:
+def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 1, dot: bool = False,
+             prologue: bool = False) -> Weights:
     """``n``: the columns the programs split (their sum for siblings, one weight's for a joint launch);
     ``parts``: weights each program reads side by side (its W tile budget is shared among them);
-    ``dot``: the tensor-core tier's tiles."""
+    ``dot``: the tensor-core tier's tiles; ``prologue``: a norm prologue is fused (gemv_tiles: the two forms)."""
     cfg = ctx.cfg("gemv")
     if linears[0].op != "linear_wq":
         bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=dot)
@@ -114,12 +116,15 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
     bits, group = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
     offsets = len(lin.inputs) > 4 and lin.inputs[4] is not None
     tile_const: dict[str, int] = {}
+    in_group = False
     if dot:  # each element of the tile is dequantized with its own group's scale: any K tile
         bn, bk = gemv_tiles({**cfg, "TILE": max(32, cfg["TILE"] // parts)}, n, k, dot=True)
         least = 32
+    elif prologue:  # whole-K tiles: each program recomputes the row's norm
+        bn, bk, in_group, least = whole_k_tiles(cfg, n, k, group, parts)
     else:  # sub-group tiles, their launch config the Plan's launch.gemv_wq
         cfg = ctx.cfg("gemv_wq")
-        tiles = quant_tiles(cfg, k, group, parts)
+        tiles = sub_group_tiles(cfg, k, group, parts)
         bn, bk, least, tile_const = tiles.bn, tiles.bk, tiles.least, tiles.const
     params: list[Param] = []
     args: list[str] = []
@@ -127,8 +132,8 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
         names = [x.inputs[1], x.inputs[2]] + ([x.inputs[4]] if offsets else [])
         params += [Param(f"{c}{i}_ptr", ptr(ctx.types[v].dtype)) for c, v in zip("qso", names)]
         args += names
-    return Weights(params, args, bn, bk, {"bits": bits, "offsets": offsets, "G": group, "dot": dot}, least, dot, cfg,
-                   tile_const)
+    quant = {"bits": bits, "offsets": offsets, "G": group, "dot": dot, "in_group": in_group, "sub": bool(tile_const)}
+    return Weights(params, args, bn, bk, quant, least, dot, cfg, tile_const)
 
 
 def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None, dot: bool = False
@@ -138,7 +143,7 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None,
     x_t = ctx.types[linears[0].inputs[0]]
     ns = [int(ctx.types[n.inputs[1]].shape[0]) for n in linears]
     k_in = int(x_t.shape[-1])
-    ws = _weights(ctx, linears, sum(ns), k_in, dot=dot)
+    ws = _weights(ctx, linears, sum(ns), k_in, dot=dot, prologue=pro is not None)
     cfg = ws.cfg
     bn, bk = ws.bn, ws.bk
     parts = len(linears)
@@ -182,7 +187,7 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     n_out = int(ctx.types[linears[0].inputs[1]].shape[0])
     k_in = int(x_t.shape[-1])
     parts = len(linears)
-    ws = _weights(ctx, linears, n_out, k_in, parts, dot=dot)
+    ws = _weights(ctx, linears, n_out, k_in, parts, dot=dot, prologue=pro is not None)
     cfg = ws.cfg
     bn, bk = ws.bn, ws.bk
     out_name = epilogue[-1].outputs[0].name

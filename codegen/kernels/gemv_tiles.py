@@ -63,6 +63,13 @@ def gemv_tiles(cfg: dict[str, int], n: int, k: int, group: int = 32, dot: bool =
     return bn, bk
 
 
+#: Two forms of the quantized CUDA-core GEMV, measured on the H200 in the Qwen3-0.6B int4 decode step (torch.profiler,
+#: docs/performance.md session 15): without a norm prologue, many narrow programs with unrolled sub-group tiles
+#: (sub_group_tiles) read o_proj / down_proj in 3.8 us against 7.3 us for whole-K tiles; with the norm fused, the
+#: same narrow programs each recompute the row's norm (4x the programs: 12.1 / 13.9 us against 6.9 / 9.3 us for
+#: the whole-K form, whole_k_tiles, for add + norm + Q|K|V and add + norm + gate|up + SiLU*mul).
+
+
 @dataclass(frozen=True)
 class QuantTiles:
     """The quantized CUDA-core tier's tiles: BLOCK_N columns a program, K tiles of BLOCK_K (at one row) read as
@@ -83,15 +90,35 @@ class QuantTiles:
         return {"SUB": self.sub, "UNROLL": self.unroll}
 
 
-def quant_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> QuantTiles:
-    """The tiles of a quantized few-rows kernel from the Plan's launch.gemv_wq config (``parts``: weights each
-    program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes (multiples of 16 / 32,
+def sub_group_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> QuantTiles:
+    """The tiles of a quantized few-rows kernel without a norm prologue, from the Plan's launch.gemv_wq config
+    (``parts``: weights each program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes (multiples of 16 / 32,
     per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most BLOCK_K."""
     sub = 1
     while group % (sub * 2) == 0 and sub * 2 <= cfg["BLOCK_K"]:
         sub *= 2
     bk = max(sub, min(cfg["BLOCK_K"], pow2(k)))
     return QuantTiles(max(1, cfg["BLOCK_N"] // parts), bk, sub, max(1, min(cfg["UNROLL"], -(-k // bk))))
+
+
+def whole_k_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, BLOCK_K, in_group, least BLOCK_K) of a quantized few-rows kernel with a norm prologue, from the
+    Plan's launch.gemv config: every program recomputes the norm of the whole row, so the programs are few and
+    wide (as the float kernels'), the whole row in one K tile where it fits. The K tile lies inside one
+    group (per channel, large or non-power-of-two groups: the largest power of two dividing the group) or
+    holds whole power-of-two groups; ``least`` bounds the tile gemv_blocks narrows as rows grow.
+    linear_wq's lowering takes groups that are multiples of 16 (int8) / 32 (int4), so a tile always exists."""
+    cfg = {**cfg, "TILE": max(32, cfg["TILE"] // tile_parts)}
+    bn, bk = gemv_tiles(cfg, n, k)
+    if group % bk == 0:
+        return bn, bk, True, min(32, bk)
+    if pow2(group) == group:
+        bn, bk = gemv_tiles(cfg, n, k, max(32, group))
+        return bn, bk, bk <= group, min(bk, max(32, group))
+    d = 1
+    while group % (d * 2) == 0 and d * 2 <= bk:
+        d *= 2
+    return bn, d, True, d
 
 
 def gemv_blocks_call(m: str, block_k: int, least: int, dot: bool) -> str:
