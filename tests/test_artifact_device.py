@@ -63,3 +63,18 @@ def test_same_arch_and_codegen_is_accepted(h200_artifact: Path) -> None:
 def test_cpu_artifact_accepted_on_cpu(tmp_path: Path) -> None:
     art = portlayer.compile(sample_graph(), target="cpu-x86_64", output=tmp_path / "c", progress=False)
     assert check_device(verify_artifact(art.path), [_cpu()]).device_type == "cpu"
+
+
+def test_the_recompile_command_is_one_the_cli_takes(h200_artifact: Path) -> None:
+    """The command the wrong-device message prints parses with `portlayer compile`'s own parser, flags spelled as
+    the CLI spells them (a boolean option as a bare flag), the options carried over."""
+    import shlex
+
+    from portlayer.cli import build_parser
+
+    m = verify_artifact(h200_artifact)
+    m.raw["options"] = {"quantize": "int4", "sources_only": True, "calibration_device": "cuda", "strict": False}
+    words = shlex.split(m.recompile_command("cpu-x86_64"))
+    args = build_parser().parse_args(words[1:])
+    assert (args.target, args.quantize, args.sources_only, args.calibration_device, args.strict) == (
+        "cpu-x86_64", "int4", True, "cuda", False)
