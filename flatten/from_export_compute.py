@@ -55,6 +55,17 @@ for _packet in _BINARY:
     lower(_packet)(_binary)
 
 
+@lower(aten.__and__, aten.__or__)
+def _bool_and_or(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
+    """``a & b`` / ``a | b`` of bool tensors (transformers' mask functions combine masks so); on integers they are
+    bitwise, which the portable ops do not have."""
+    a, b = args[0], args[1]
+    name = "logical_and" if node.target.overloadpacket is aten.__and__ else "logical_or"
+    if not (_is_tensor(a) and _is_tensor(b)) or {cv.type_of(a).dtype, cv.type_of(b).dtype} != {"bool"}:
+        raise UnsupportedOpError(f"bitwise {node.target.overloadpacket.__name__} of non-bool operands at FX node {node.name}")
+    return cv.emit(name, [a, b])
+
+
 @lower(aten.rsub)
 def _rsub(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     a, b = args[0], args[1]
@@ -64,6 +75,38 @@ def _rsub(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     if _is_tensor(b):
         return cv.emit("sub", [b, a])
     return cv.emit("sub", [a], {"scalar": _scalar(b), "reverse": True})
+
+
+@lower(aten.diff)
+def _diff(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
+    """torch.diff: x[1:] - x[:-1] along ``dim``, ``n`` times, after prepend/append (bool: x[1:] != x[:-1]).
+    transformers' mask code takes it of position ids to find packed sequences."""
+    x = args[0]
+    n = int(args[1]) if len(args) > 1 else int(kwargs.get("n", 1))
+    dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", -1))
+    prepend = args[3] if len(args) > 3 else kwargs.get("prepend")
+    append = args[4] if len(args) > 4 else kwargs.get("append")
+    d = dim % cv.type_of(x).rank
+    parts = [p for p in (prepend, x, append) if p is not None]
+    if any(not _is_tensor(p) for p in parts):
+        raise UnsupportedOpError(f"diff with a scalar prepend/append at FX node {node.name}")
+    if len(parts) > 1:
+        x = cv.emit("concat", parts, {"dim": d}, name=f"{node.name}_ends")
+    op = "ne" if cv.type_of(x).dtype == "bool" else "sub"
+    for i in range(n):
+        hi = cv.emit("slice", [x], {"dim": d, "start": 1, "end": None, "step": 1}, name=f"{node.name}_hi{i}")
+        lo = cv.emit("slice", [x], {"dim": d, "start": 0, "end": -1, "step": 1}, name=f"{node.name}_lo{i}")
+        x = cv.emit(op, [hi, lo], name=f"{node.name}_{i}" if i < n - 1 else None)
+    return x
+
+
+@lower(aten.cumsum)
+def _cumsum(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
+    """torch.cumsum (flatten/cumsum.py: a triangular matmul); transformers' mask code sums packed-sequence starts."""
+    from portlayer.flatten.cumsum import emit_cumsum
+
+    dim = int(args[1]) if len(args) > 1 else int(kwargs["dim"])
+    return emit_cumsum(cv, args[0], dim, out_dtype=cv.out_dtype())
 
 
 _UNARY = {

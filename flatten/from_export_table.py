@@ -208,13 +208,40 @@ def _repeat_interleave(cv: Converter, node: Node, args: list, kwargs: dict) -> s
 def _index(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     x, indices = args[0], args[1]
     tensor_idx = [(i, t) for i, t in enumerate(indices) if t is not None]
-    if len(tensor_idx) != 1:
-        raise UnsupportedOpError(
-            f"advanced indexing with {len(tensor_idx)} index tensors at FX node {node.name}; only one is supported"
-        )
-    d, idx = tensor_idx[0]
-    out = cv.emit("index_select", [x, idx], {"dim": d})
-    return cv.reshape_to(out, cv.out_shape())
+    if len(tensor_idx) == 1:
+        d, idx = tensor_idx[0]
+        out = cv.emit("index_select", [x, idx], {"dim": d})
+        return cv.reshape_to(out, cv.out_shape())
+    dims = [i for i, _ in tensor_idx]
+    if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
+        raise UnsupportedOpError(f"advanced indexing with index tensors at non-adjacent dims {dims} at FX node "
+                                 f"{node.name}; adjacent index tensors are supported")
+    return _index_adjacent(cv, x, dims[0], [t for _, t in tensor_idx])
+
+
+def _index_adjacent(cv: Converter, x: str, d0: int, idxs: list[str]) -> str:
+    """x[..., i0, i1, ..., ik, ...] for index tensors at adjacent dims from d0 (transformers' mask functions index
+    a [batch, tokens] tensor by two): the indices broadcast to one shape B and flattened to P = numel(B) positions,
+    the first selects P slices along d0, each further one picks an element per position (gather), and the result
+    takes B's shape in place of the indexed dims."""
+    from portlayer.flatten.dims import canonical_dim
+
+    xs, out, k = list(cv.type_of(x).shape), list(cv.out_shape()), len(idxs)
+    bshape = out[d0:len(out) - (len(xs) - d0 - k)]
+    p = canonical_dim("*".join(f"({d})" for d in bshape)) if bshape else 1
+    flat = []
+    for t in idxs:
+        if tuple(cv.type_of(t).shape) != tuple(bshape):
+            t = cv.emit("expand", [cv.reshape_to(t, [1] * (len(bshape) - cv.type_of(t).rank) + list(cv.type_of(t).shape))],
+                        {"shape": bshape})
+        flat.append(cv.reshape_to(t, [p]))
+    y = cv.emit("index_select", [x, flat[0]], {"dim": d0})  # xs[:d0] + [P] + xs[d0 + 1:]
+    for j in range(1, k):
+        rest = xs[d0 + j + 1:]
+        pick = cv.reshape_to(flat[j], [1] * d0 + [p, 1] + [1] * len(rest))
+        pick = cv.emit("expand", [pick], {"shape": xs[:d0] + [p, 1] + rest})
+        y = cv.reshape_to(cv.emit("gather", [y, pick], {"dim": d0 + 1}), xs[:d0] + [p] + rest)
+    return cv.reshape_to(y, out)
 
 
 @lower(aten.index_select)

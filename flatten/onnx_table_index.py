@@ -51,28 +51,10 @@ def _gather_nd(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, An
 
 @onnx_op("CumSum")
 def _cumsum(cv: OnnxConverter, node: Any, ins: list[Any], attrs: dict[str, Any]) -> list[Any]:
-    """Cumulative sum as a matmul with a triangular 0/1 matrix built from arange (exact for ints < 2**53)."""
-    x = cv.tensor(ins[0])
-    t = cv.type_of(x)
+    """Cumulative sum as a matmul with a triangular 0/1 matrix (flatten/cumsum.py)."""
+    from portlayer.flatten.cumsum import emit_cumsum
+
     if not isinstance(ins[1], np.ndarray):
         raise cv.fail("CumSum with a run-time axis")
-    if t.rank == 1:  # as a row, then back
-        y = _cumsum(cv, node, [cv.reshape_to(x, [1, t.shape[0]]), np.array(1)], attrs)[0]
-        return [cv.reshape_to(y, list(t.shape))]
-    axis = int(ins[1].reshape(())) % t.rank
-    n = t.shape[axis]
-    r = cv.emit("arange", [], {"start": 0, "end": n, "step": 1, "dtype": "int64"})
-    rows, cols = cv.reshape_to(r, [n, 1]), cv.reshape_to(r, [1, n])
-    excl, rev = bool(attrs.get("exclusive", 0)), bool(attrs.get("reverse", 0))
-    cmp = {(False, False): "le", (True, False): "lt", (False, True): "ge", (True, True): "gt"}[(excl, rev)]
-    work = "float64" if t.dtype in ("int64", "int32", "int16", "int8", "uint8", "bool") else t.dtype
-    tri = cv.emit("cast", [cv.emit(cmp, [rows, cols])], {"dtype": work})
-    perm = [i for i in range(t.rank) if i != axis] + [axis]
-    xt = cv.emit("permute", [x], {"dims": perm}) if axis != t.rank - 1 else x
-    xw = cv.emit("cast", [xt], {"dtype": work}) if work != t.dtype else xt
-    y = cv.emit("matmul", [xw, tri])
-    y = cv.emit("cast", [y], {"dtype": t.dtype}) if work != t.dtype else y
-    if axis != t.rank - 1:
-        inv = [perm.index(i) for i in range(t.rank)]
-        y = cv.emit("permute", [y], {"dims": inv})
-    return [y]
+    return [emit_cumsum(cv, cv.tensor(ins[0]), int(ins[1].reshape(())), bool(attrs.get("exclusive", 0)),
+                        bool(attrs.get("reverse", 0)))]

@@ -68,10 +68,33 @@ def test_arch_matches_hf(name):
         assert all(n.attrs["softcap"] for n in g.find("attention"))
 
 
+def _hand_attention(attn: torch.nn.Module):
+    """A causal attention written out by hand with the module's projections: the modeling code of a model that
+    never calls transformers' AttentionInterface (older Falcon did; transformers 5.2x's goes through it)."""
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        hd = attn.head_dim
+        q = attn.q_proj(hidden_states).view(b, t, -1, hd).transpose(1, 2)
+        k = attn.k_proj(hidden_states).view(b, t, -1, hd).transpose(1, 2)
+        v = attn.v_proj(hidden_states).view(b, t, -1, hd).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / hd**0.5
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return attn.o_proj(out), None
+
+    return forward
+
+
 def test_model_bypassing_attention_interface_is_refused_clearly():
     torch.manual_seed(0)
-    model = T.FalconForCausalLM(T.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                               vocab_size=128, new_decoder_architecture=False)).eval()
+    model = T.Qwen3ForCausalLM(T.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             vocab_size=128)).eval()
+    for layer in model.model.layers:
+        layer.self_attn.forward = _hand_attention(layer.self_attn)
     with pytest.raises(CaptureError, match="AttentionInterface"):
         capture(model)
 

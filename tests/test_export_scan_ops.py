@@ -1,0 +1,78 @@
+"""torch.diff and torch.cumsum through torch.export into the Flat IR (transformers' mask code takes them of position
+ids to find packed sequences), checked against torch on static and dynamic shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portlayer.flatten.from_export import convert_exported_program
+from portlayer.flatten.interpret import run_graph
+
+
+class Scan(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+CASES = {
+    "diff": lambda x: torch.diff(x, dim=-1),
+    "diff_prepend": lambda x: torch.diff(x, prepend=x[:, :1] - 1, dim=-1),
+    "diff_n2_append_dim0": lambda x: torch.diff(x, n=2, dim=0, append=x[:1]),
+    "diff_bool": lambda x: torch.diff(x > 0, dim=-1).to(torch.int64),
+    "cumsum_int": lambda x: torch.cumsum(x, -1),
+    "cumsum_bool": lambda x: (torch.diff(x, prepend=x[:, :1] - 1, dim=-1) != 1).cumsum(-1),
+    "cumsum_dim0_float": lambda x: torch.cumsum(x.float() * 0.5, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_scan_ops_match_torch(name: str, dynamic: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randint(-3, 9, (3, 7))
+    dims = {"x": {1: torch.export.Dim("num_tokens", min=3, max=64)}} if dynamic else None
+    ep = torch.export.export(Scan(CASES[name]), (x,), dynamic_shapes=dims)
+    g = convert_exported_program(ep)
+    for t in ((7, 12) if dynamic else (7,)):
+        xv = torch.randint(-3, 9, (3, t))
+        (ours,) = run_graph(g, {g.inputs[0].name: xv}, None)
+        want = CASES[name](xv)
+        assert ours.dtype == want.dtype and torch.equal(ours, want), (name, t, ours, want)
+
+
+INDEX_CASES = {
+    "rows_cols": lambda x: x[torch.arange(x.shape[0])[:, None], torch.arange(x.shape[1])[None, :]],
+    "broadcast_pairs": lambda x: x[torch.zeros(5, 1, dtype=torch.long), torch.arange(x.shape[1])] * 2,
+    "trailing_dim": lambda x: x.reshape(x.shape[0], x.shape[1], 1).expand(-1, -1, 2)[
+        torch.tensor([2, 0]), torch.tensor([1, 3])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEX_CASES))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_indexing_by_adjacent_index_tensors_matches_torch(name: str, dynamic: bool) -> None:
+    """x[i, j] with two index tensors (transformers' packed-sequence mask: mask[batch_idx, q_idx])."""
+    x = torch.randint(-3, 9, (3, 7))
+    dims = {"x": {1: torch.export.Dim("num_tokens", min=4, max=64)}} if dynamic else None
+    ep = torch.export.export(Scan(INDEX_CASES[name]), (x,), dynamic_shapes=dims)
+    g = convert_exported_program(ep)
+    for t in ((7, 12) if dynamic else (7,)):
+        xv = torch.randint(-3, 9, (3, t))
+        (ours,) = run_graph(g, {g.inputs[0].name: xv}, None)
+        assert torch.equal(ours, INDEX_CASES[name](xv)), (name, t)
+
+
+def test_and_or_of_bool_masks_match_torch_and_integer_bitwise_is_refused() -> None:
+    from portlayer.flatten.from_export import UnsupportedOpError
+
+    x = torch.randint(-3, 9, (3, 7))
+    g = convert_exported_program(torch.export.export(Scan(lambda x: ((x > 0) & (x < 5)) | (x == -2)), (x,)))
+    (ours,) = run_graph(g, {g.inputs[0].name: x}, None)
+    assert torch.equal(ours, ((x > 0) & (x < 5)) | (x == -2))
+    with pytest.raises(UnsupportedOpError, match="non-bool"):
+        convert_exported_program(torch.export.export(Scan(lambda x: x & 6), (x,)))
