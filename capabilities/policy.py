@@ -316,10 +316,11 @@ class _Negotiation:
                  f"few-rows GEMM: column blocks sized for >= 2 programs per compute unit ({cus} units); a W tile of "
                  f"<= 4096 elements (32 float32 products per thread of 128) / {scale}")  # fmt: skip
         self.add("launch.gemv_wq", {"num_warps": warps(256), "BLOCK_N": 4, "BLOCK_K": 256, "UNROLL": 16, "num_stages": 1},
-                 "weight-only quantized few-rows GEMM (CUDA-core tier): 4 columns a program, K tiles of 256 read as "
-                 "group-sized sub-tiles, up to 16 tiles unrolled so their loads are in flight together; measured on the "
-                 "H200 (docs/performance.md, session 15: int4 Qwen3-0.6B projections at 1 row, 3.5-6.5 us against "
-                 f"4.7-9.2 us for whole-K tiles of 2-16 columns) / {scale}")  # fmt: skip
+                 "weight-only quantized few-rows GEMM without a fused norm (CUDA-core tier; a norm-fused one keeps "
+                 "launch.gemv's whole-K tiles): 4 columns a program, K tiles of 256 read as group-sized sub-tiles, up to "
+                 "16 tiles unrolled so their loads are in flight together; measured on the H200 (docs/performance.md, "
+                 "session 15: int4 Qwen3-0.6B o_proj / down_proj at 1 row, 3.8 us a launch in the model against 7.3 us "
+                 f"for whole-K tiles of 2 columns) / {scale}")  # fmt: skip
         self._attention(smem, item, warps, scale, hd)
         # launch configs measured on this device: the descriptor's (data shipped for the device), then a tuning
         # file's (portlayer tune on this host; capabilities/tuning.py); none: the defaults above
