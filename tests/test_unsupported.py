@@ -9,19 +9,21 @@ from portlayer.flatten import capture
 from portlayer.flatten.from_export import UnsupportedOpError
 
 
-class CumsumAct(torch.nn.Module):
+class FlipAct(torch.nn.Module):
+    """An activation through an op portlayer has no mapping for (aten.flip)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, dim=-1)
+        return torch.flip(x, dims=(-1,))
 
 
 def test_unmapped_op_names_op_node_and_module(tiny_dirs):
     from conftest import hf_model
 
     model = hf_model(tiny_dirs["tiny-llama"])
-    model.model.layers[1].mlp.act_fn = CumsumAct()
+    model.model.layers[1].mlp.act_fn = FlipAct()
     with pytest.raises(UnsupportedOpError) as err:
         capture(model)
     msg = str(err.value)
-    assert "aten.cumsum" in msg
-    assert "FX node 'cumsum" in msg
+    assert "aten.flip" in msg
+    assert "FX node 'flip" in msg
     assert "model.layers.1.mlp.act_fn" in msg
