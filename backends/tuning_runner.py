@@ -84,6 +84,15 @@ def kernel_prefixes(family: str) -> tuple[str, ...]:
     return KERNEL_PREFIX.get(family, (f"{family}_",))
 
 
+def family_kernel(name: str, family: str) -> bool:
+    """Whether the kernel ``name`` is one of ``family``'s: its prefix, and not that of a longer family that shares
+    it (gemv_wq_* kernels read launch.gemv_wq, not launch.gemv)."""
+    from portlayer.capabilities.plan import LAUNCH_FAMILIES
+
+    longer = tuple(p for f in LAUNCH_FAMILIES if f != family and f.startswith(family) for p in kernel_prefixes(f))
+    return name.startswith(kernel_prefixes(family)) and not name.startswith(longer)
+
+
 def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, rounds: int = 3) -> tuple[float, int]:
     """Device microseconds per call-set of ``family``'s kernels, and their launches per set: each of ``fns``
     (the decode steps and a prefill) run ``iters`` times under the CUDA profiler, the kernels whose names start
@@ -91,7 +100,6 @@ def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, 
     mostly host launch cost and the other families, whose noise picked wrong configs (-30% at batch 1)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prefixes = kernel_prefixes(family)
     best, launches = float("inf"), 0
     for fn in fns:
         fn()
@@ -102,7 +110,7 @@ def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, 
                 for fn in fns:
                     fn()
             torch.cuda.synchronize()
-        hits = [e for e in prof.key_averages() if e.key.startswith(prefixes)]
+        hits = [e for e in prof.key_averages() if family_kernel(e.key, family)]
         best = min(best, sum(e.device_time_total for e in hits) / iters)
         launches = round(sum(e.count for e in hits) / iters)
     return best, launches
@@ -168,6 +176,8 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                                                                         "reshape_and_cache"}  # fmt: skip
     if "gemm" in used:  # a GEMM group runs the few-rows kernel at decode sizes (codegen/gemm_rule.py)
         used.add("gemv")
+        if graph.find("linear_wq"):  # quantized: the few-rows GEMV without a fused norm, the dequantize kernel
+            used |= {"gemv_wq", "dequant"}
     fams = [f for f in (families or defaults) if f in defaults and (f in used or families)]
     with tempfile.TemporaryDirectory(prefix="portlayer-tune-") as tmp:
         start, slowest = time.perf_counter(), 0.0

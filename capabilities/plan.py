@@ -16,7 +16,7 @@ from portlayer.errors import PortlayerError
 
 LAUNCH_FAMILIES = (
     "pointwise", "reduction", "rope", "gemm", "attention_decode", "attention_prefill", "embedding",
-    "reshape_and_cache", "gemv", "gemv_wq",
+    "reshape_and_cache", "gemv", "gemv_wq", "dequant",
 )  # fmt: skip
 OVERRIDABLE = ("compute_dtype", "weight_quantization", "kv_block_size", "prefill_chunk_size", "max_batched_tokens")
 

@@ -321,6 +321,9 @@ class _Negotiation:
                  "16 tiles unrolled so their loads are in flight together; measured on the H200 (docs/performance.md, "
                  "session 15: int4 Qwen3-0.6B o_proj / down_proj at 1 row, 3.8 us a launch in the model against 7.3 us "
                  f"for whole-K tiles of 2 columns) / {scale}")  # fmt: skip
+        self.add("launch.dequant", {"num_warps": warps(128), "BLOCK_N": 16, "BLOCK_K": 128, "num_stages": 1},
+                 "weight-only quantized weight dequantized for the vendor GEMM (from tuning.wq_vendor_min_tokens rows): "
+                 f"a 16 x 128 tile a program, 16 elements of it a thread (16-byte stores in bfloat16) / {scale}")  # fmt: skip
         self._attention(smem, item, warps, scale, hd)
         # launch configs measured on this device: the descriptor's (data shipped for the device), then a tuning
         # file's (portlayer tune on this host; capabilities/tuning.py); none: the defaults above

@@ -148,22 +148,33 @@ def test_cache_key_suffix_follows_the_tuning_file(cache):
     assert first.startswith(":tuning-") and tuning_digest(d) != first
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gpt2"])
-def test_every_generated_kernel_is_found_by_its_launch_familys_prefix(captured, model):
+@pytest.mark.parametrize("model,quant", [("tiny-qwen3", None), ("tiny-gpt2", None), ("tiny-qwen3", "int4")])
+def test_every_generated_kernel_is_found_by_its_launch_familys_prefix(captured, model, quant):
     """The tuner compares a family's configs by the device time of the kernels whose names carry that
-    family's prefix (backends/tuning_runner.kernel_prefixes): every kernel of a generated program must
-    be found under exactly one launch family the plan has, or its family could not be tuned."""
+    family's prefix (backends/tuning_runner.family_kernel): every kernel of a generated program must
+    be found under exactly one launch family the plan has, the one whose config it was generated with
+    (int4: the quantized GEMVs without a fused norm under gemv_wq, the norm-fused ones under gemv),
+    or its family could not be tuned."""
     from portlayer.backends.generate import generate
-    from portlayer.backends.tuning_runner import kernel_prefixes
+    from portlayer.backends.tuning_runner import family_kernel
     from portlayer.passes.pipeline import run_pipeline
 
-    res = run_pipeline(captured[model], "nvidia-h200", verify=False)
+    res = run_pipeline(captured[model], "nvidia-h200", verify=False,
+                       overrides={"weight_quantization": quant} if quant else None)
     families = [d.name.removeprefix("launch.") for d in res.plan if d.name.startswith("launch.") and d.value]
     gen = generate(res.graph, res.plan, res.descriptor)
     assert gen.kernels
+    seen = set()
     for spec in gen.kernels.values():
-        owners = [f for f in families if spec.fn.startswith(kernel_prefixes(f))]
+        owners = [f for f in families if family_kernel(spec.fn, f)]
         assert len(owners) == 1, (spec.fn, owners)
+        if spec.family in ("gemv", "gemv_wq"):  # the few-rows kernels: found under the config they were made with
+            assert owners == [spec.family], (spec.fn, owners)
+        seen.add(spec.family)
+    if quant:  # both quantized few-rows forms are in the program, each under its own config
+        assert {"gemv", "gemv_wq"} <= seen, seen
+        wq = [s for s in gen.kernels.values() if s.family == "gemv_wq"]
+        assert all(s.num_warps == res.plan.launch_config("gemv_wq")["num_warps"] for s in wq)
 
 
 def test_descriptor_launch_defaults_replace_the_rule_and_a_tuning_file_still_wins(cache):

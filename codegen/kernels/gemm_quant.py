@@ -35,9 +35,6 @@ def layout_text(n: Node, lay: tuple[Any, ...] | None) -> str:
     return f"{n.name} is {'float' if lay is None else f'{lay[0]}-bit, group {lay[1]}' + (', offsets' if lay[2] else '')}"
 
 
-DEQUANT_TILE = (16, 128)  # (BLOCK_N, BLOCK_K) of the dequantize kernel: 2048 elements, 16-byte stores per thread
-
-
 def dequant_vendor(ctx: GenContext, group: KernelGroup, code: GroupCode) -> list[str]:
     """linear_wq above tuning.wq_vendor_min_tokens: dequantize W into a temporary in the activation's dtype
     (as the op's semantics round it), the vendor GEMM, then the epilogue as one pointwise kernel."""
@@ -47,20 +44,21 @@ def dequant_vendor(ctx: GenContext, group: KernelGroup, code: GroupCode) -> list
     n, k = int(ctx.types[qw].shape[0]), int(ctx.types[x].shape[-1])
     bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
     quant = {"bits": bits, "offsets": off is not None}
-    bn, bk = DEQUANT_TILE
+    cfg = ctx.cfg("dequant")  # the Plan's launch.dequant (capabilities/policy.py)
+    bn, bk, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
     params = [Param("q_ptr", ptr(ctx.types[qw].dtype)), Param("s_ptr", ptr(ctx.types[sc].dtype))]
     params += [Param("o_ptr", ptr(ctx.types[off].dtype))] if off else []
     params += [Param("w_ptr", ptr(ctx.types[x].dtype))] + [Param(c, "constexpr") for c in ("N", "K", "G", "BLOCK_N", "BLOCK_K")]
     const = {"N": n, "K": k, "G": gsize, "BLOCK_N": bn, "BLOCK_K": bk}
     variant = f"w{bits}{'a' if off else ''}_" + short_dtype(ctx.types[x].dtype)
-    spec = make_kernel("triton/gemm_dequant.py.j2", "dequant", variant, params, const, 4, 1, quant=quant,
+    spec = make_kernel("triton/gemm_dequant.py.j2", "dequant", variant, params, const, warps, 1, quant=quant,
                        doc="A weight-only quantized weight dequantized for the vendor GEMM.")
     code.kernels.append(spec)
     lin_out = lin.outputs[0].name
     args = ", ".join([qw, sc, *([off] if off else []), "wq_tmp"])
     lines = [f"wq_tmp = torch.empty(({n}, {k}), dtype={x}.dtype, device={x}.device)",
              f"K.{spec.name}[(triton.cdiv({n}, {bn}), triton.cdiv({k}, {bk}))]({args}, N={n}, K={k}, G={gsize}, "
-             f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps=4)",
+             f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps={warps})",
              f"torch.addmm({bias}, {x}, W_T(wq_tmp), out={lin_out})" if bias else f"torch.mm({x}, W_T(wq_tmp), out={lin_out})",
              "del wq_tmp  # freed here: the next layer's temporary reuses the block"]
     if epi:

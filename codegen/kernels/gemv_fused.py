@@ -88,6 +88,11 @@ class Weights:
         return {"G": self.quant["G"], **self.tile_const} if self.quant else {}
 
     @property
+    def family(self) -> str:
+        """The kernel family, i.e. the launch.<family> config it reads (the tuner times it under that name)."""
+        return "gemv_wq" if self.tile_const else "gemv"
+
+    @property
     def tag(self) -> str:
         return f"w{self.quant['bits']}{'a' if self.quant['offsets'] else ''}_" if self.quant else ""
 
@@ -159,7 +164,7 @@ def sibling_gemv(ctx: GenContext, linears: list[Node], pro: NormPrologue | None,
     starts = ["0"] + [" + ".join(f"tl.cdiv(N{j}, BLOCK_N)" for j in range(i + 1)) for i in range(parts)]
     variant = ("dot_" if dot else "") + (f"x{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
                + short_dtype(x_t.dtype))
-    spec = make_kernel("triton/gemv_siblings.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
+    spec = make_kernel("triton/gemv_siblings.py.j2", ws.family, variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], starts=starts,
                        prologue=pro.template if pro else None, quant=ws.quant, **ws.template(ctx, x_t.dtype),
                        doc=("Weight-only quantized: " if ws.quant else "")
@@ -204,7 +209,7 @@ def joint_gemv(ctx: GenContext, linears: list[Node], epilogue: list[Node], pro: 
     const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, **ws.const}
     variant = ("dot_" if dot else "") + (f"j{parts}_" + ws.tag + ("bias_" if any(biases) else "") + (pro.variant if pro else "")
                + "epi_" + "_".join(n.op for n in epilogue[:3]) + "_" + short_dtype(x_t.dtype))
-    spec = make_kernel("triton/gemv_joint.py.j2", "gemv", variant, params, const, cfg["num_warps"], cfg["num_stages"],
+    spec = make_kernel("triton/gemv_joint.py.j2", ws.family, variant, params, const, cfg["num_warps"], cfg["num_stages"],
                        parts=parts, biases=[bool(b) for b in biases], prologue=pro.template if pro else None,
                        quant=ws.quant, rounds=[round_dtype(n.outputs[0].type.dtype) for n in linears],
                        **ws.template(ctx, x_t.dtype),
