@@ -201,8 +201,11 @@ class Manifest:
     def recompile_command(self, target: str) -> str:
         spec = self.model.get("spec") or "MODEL"
         opts = self.raw.get("options", {})
-        # the compile's options as `portlayer compile` flags: sources_only=True -> --sources-only, quantize=int4 -> --quantize int4
-        extra = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {_shell_word(v)}") for k, v in opts.items() if v)
+        # the compile's options as `portlayer compile` flags: sources_only=True -> --sources-only, verify=False ->
+        # --no-verify, quantize=int4 -> --quantize int4
+        extra = "".join(f" --{'no-' if v is False else ''}{k.replace('_', '-')}"
+                        + ("" if isinstance(v, bool) else f" {_shell_word(v)}") for k, v in opts.items()
+                        if isinstance(v, bool) or v not in (None, "", 0))
         return f"portlayer compile {_shell_word(spec)} --target {_shell_word(target)}{extra}"
 
 

@@ -73,8 +73,9 @@ def test_the_recompile_command_is_one_the_cli_takes(h200_artifact: Path) -> None
     from portlayer.cli import build_parser
 
     m = verify_artifact(h200_artifact)
-    m.raw["options"] = {"quantize": "int4", "sources_only": True, "calibration_device": "cuda", "strict": False}
+    m.raw["options"] = {"quantize": "int4", "sources_only": True, "calibration_device": "cuda", "verify": False,
+                        "dtype": None}
     words = shlex.split(m.recompile_command("cpu-x86_64"))
     args = build_parser().parse_args(words[1:])
-    assert (args.target, args.quantize, args.sources_only, args.calibration_device, args.strict) == (
-        "cpu-x86_64", "int4", True, "cuda", False)
+    assert (args.target, args.quantize, args.sources_only, args.calibration_device, args.no_verify, args.dtype) == (
+        "cpu-x86_64", "int4", True, "cuda", True, None)

@@ -26,7 +26,7 @@ CASES = {
     "diff_bool": lambda x: torch.diff(x > 0, dim=-1).to(torch.int64),
     "cumsum_int": lambda x: torch.cumsum(x, -1),
     "cumsum_bool": lambda x: (torch.diff(x, prepend=x[:, :1] - 1, dim=-1) != 1).cumsum(-1),
-    "cumsum_dim0_float": lambda x: torch.cumsum(x.float() * 0.5, 0),
+    "cumsum_dim0": lambda x: torch.cumsum(x, 0),
 }
 
 
@@ -76,3 +76,13 @@ def test_and_or_of_bool_masks_match_torch_and_integer_bitwise_is_refused() -> No
     assert torch.equal(ours, ((x > 0) & (x < 5)) | (x == -2))
     with pytest.raises(UnsupportedOpError, match="non-bool"):
         convert_exported_program(torch.export.export(Scan(lambda x: x & 6), (x,)))
+
+
+def test_cumsum_of_floats_is_refused_naming_why() -> None:
+    """The triangular-matmul lowering multiplies every element by 0 or 1: an inf in a float row would make
+    0 * inf = nan everywhere, so float cumsum is refused rather than silently wrong."""
+    from portlayer.flatten.from_export import UnsupportedOpError
+
+    ep = torch.export.export(Scan(lambda x: torch.cumsum(x.float(), -1)), (torch.randint(0, 9, (3, 7)),))
+    with pytest.raises(UnsupportedOpError, match="cumsum of float32 .*integers and bools only"):
+        convert_exported_program(ep)

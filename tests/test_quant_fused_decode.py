@@ -198,3 +198,24 @@ def test_the_no_norm_cases_reach_every_tiling_of_the_sub_group_loop(tmp_path):
                 seen |= {"partial tile"} if k % c["BLOCK_K"] else set()
                 seen |= {"several steps"} if k > c["BLOCK_K"] * c["UNROLL"] else set()
     assert seen == {"sub < group", "sub = group", "partial tile", "several steps"}, seen
+
+
+@pytest.mark.parametrize("block_k,block_n", [(96, 4), (48, 6), (256, 12)])
+def test_a_launch_config_off_the_powers_of_two_still_reads_every_column(tmp_path, block_k, block_n):
+    """launch.gemv_wq may come from a tuning file or a user override with any int: BLOCK_K 96 (one 64-wide sub-group
+    per tile would skip the next 32 columns) and odd BLOCK_N are taken down to powers of two, never run as given."""
+    launch = {**LAUNCH, "gemv_wq": {"num_warps": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "UNROLL": 2, "num_stages": 1}}
+    for kind, bits, k, group, offsets in (("single", 8, 192, 64, True), ("single", 4, 192, 32, False),
+                                          ("siblings", 4, 192, 64, True)):
+        graph, want = _build(kind, bits, k, group, offsets, norm=False)
+        gen, prog = build_program(graph, tmp_path / f"{kind}{bits}{group}{block_k}", launch=launch, gemv_max_tokens=4,
+                                  gemv_dot_max_tokens=0)
+        for spec in gen.kernels.values():
+            if "SUB" in spec.constexprs:
+                bk, bn = spec.constexprs["BLOCK_K"], spec.constexprs["BLOCK_N"]
+                assert bk & (bk - 1) == 0 and bn & (bn - 1) == 0 and bk % spec.constexprs["SUB"] == 0, spec.constexprs
+        g = torch.Generator().manual_seed(k)
+        for t in (1, 3):
+            xv = torch.randn(t, k, generator=g)
+            for o, w in zip(prog.run({"x": xv}, None, None), want(xv, None)):
+                assert rel_err(o, w) <= 1e-4, (kind, bits, group, t, rel_err(o, w))

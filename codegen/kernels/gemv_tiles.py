@@ -93,12 +93,19 @@ class QuantTiles:
 def sub_group_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> QuantTiles:
     """The tiles of a quantized few-rows kernel without a norm prologue, from the Plan's launch.gemv_wq config
     (``parts``: weights each program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes (multiples of 16 / 32,
-    per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most BLOCK_K."""
+    per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most BLOCK_K. BLOCK_K and BLOCK_N
+    are taken down to powers of two (a tile of 96 would skip the columns between its 64-wide sub-group and the next)."""
+    block_k, block_n = floor_pow2(cfg["BLOCK_K"]), floor_pow2(max(1, cfg["BLOCK_N"] // parts))  # tl.arange sides
     sub = 1
-    while group % (sub * 2) == 0 and sub * 2 <= cfg["BLOCK_K"]:
+    while group % (sub * 2) == 0 and sub * 2 <= block_k:
         sub *= 2
-    bk = max(sub, min(cfg["BLOCK_K"], pow2(k)))
-    return QuantTiles(max(1, cfg["BLOCK_N"] // parts), bk, sub, max(1, min(cfg["UNROLL"], -(-k // bk))))
+    bk = max(sub, min(block_k, pow2(k)))  # a power-of-two multiple of SUB: the tile is BLOCK_K // SUB sub-groups
+    return QuantTiles(block_n, bk, sub, max(1, min(cfg["UNROLL"], -(-k // bk))))
+
+
+def floor_pow2(n: int) -> int:
+    """The largest power of two <= n (>= 1): a launch config from a file or an override may hold any int."""
+    return 1 << max(0, int(n).bit_length() - 1)
 
 
 def whole_k_tiles(cfg: dict[str, int], n: int, k: int, group: int, tile_parts: int = 1) -> tuple[int, int, bool, int]:
