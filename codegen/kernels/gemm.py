@@ -215,7 +215,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
     variant = ("dot_" if tier_dtype else "") + (f"w{quant['bits']}{'a' if quant['offsets'] else ''}_" if quant else "")
     variant += prologue.variant if prologue is not None else ""
     variant += ("epi_" + "_".join(n.op for n in epi[:3]) + "_" if epi else "") + short_dtype(x_t.dtype)
-    family = ("gemv_wq" if quant and quant.get("sub") else "gemv") if few_rows else "gemm"  # its launch.<family>
+    family = ("gemv_wq" if quant and quant["sub"] else "gemv") if few_rows else "gemm"  # its launch.<family>
     spec = make_kernel(
         "triton/gemv.py.j2" if few_rows else "triton/gemm.py.j2", family, variant, params,
         const, cfg["num_warps"], cfg["num_stages"],

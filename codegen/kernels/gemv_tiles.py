@@ -92,9 +92,10 @@ class QuantTiles:
 
 def sub_group_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> QuantTiles:
     """The tiles of a quantized few-rows kernel without a norm prologue, from the Plan's launch.gemv_wq config
-    (``parts``: weights each program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes (multiples of 16 / 32,
-    per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most BLOCK_K. BLOCK_K and BLOCK_N
-    are taken down to powers of two (a tile of 96 would skip the columns between its 64-wide sub-group and the next)."""
+    (``parts``: weights each program reads side by side share its BLOCK_N). Any group linear_wq's lowering takes
+    (multiples of 16 / 32, per channel) has a power-of-two sub-group: SUB is the largest dividing it, at most
+    BLOCK_K. BLOCK_K and BLOCK_N are taken down to powers of two (a tile of 96 would skip the columns between its
+    64-wide sub-group and the next)."""
     block_k, block_n = floor_pow2(cfg["BLOCK_K"]), floor_pow2(max(1, cfg["BLOCK_N"] // parts))  # tl.arange sides
     sub = 1
     while group % (sub * 2) == 0 and sub * 2 <= block_k:
