@@ -315,12 +315,15 @@ class _Negotiation:
         self.add("launch.gemv", {"num_warps": warps(128), "TILE": 4096, "PROGRAMS": 2 * cus, "num_stages": 1},
                  f"few-rows GEMM: column blocks sized for >= 2 programs per compute unit ({cus} units); a W tile of "
                  f"<= 4096 elements (32 float32 products per thread of 128) / {scale}")  # fmt: skip
-        self.add("launch.gemv_wq", {"num_warps": warps(256), "BLOCK_N": 4, "BLOCK_K": 256, "UNROLL": 16, "num_stages": 1},
+        self.add("launch.gemv_wq", {"num_warps": warps(256), "BLOCK_N": 4, "BLOCK_K": 256, "UNROLL": 16, "num_stages": 1,
+                                     "PDL_TRIGGER": 2},
                  "weight-only quantized few-rows GEMM without a fused norm (CUDA-core tier; a norm-fused one keeps "
                  "launch.gemv's whole-K tiles): 4 columns a program, K tiles of 256 read as group-sized sub-tiles, up to "
                  "16 tiles unrolled so their loads are in flight together; measured on the H200 (docs/performance.md, "
                  "session 15: int4 Qwen3-0.6B o_proj / down_proj at 1 row, 3.8 us a launch in the model against 7.3 us "
-                 f"for whole-K tiles of 2 columns) / {scale}")  # fmt: skip
+                 "for whole-K tiles of 2 columns). PDL_TRIGGER 2: under programmatic dependent launch the next kernel "
+                 "launches as these programs exit, not right after their wait (session 16: int4 decode b1 1.03 ms "
+                 f"against 1.31 ms) / {scale}")  # fmt: skip
         self.add("launch.dequant", {"num_warps": warps(128), "BLOCK_N": 16, "BLOCK_K": 128, "num_stages": 1},
                  "weight-only quantized weight dequantized for the vendor GEMM (from tuning.wq_vendor_min_tokens rows): "
                  f"a 16 x 128 tile a program, 16 elements of it a thread (16-byte stores in bfloat16) / {scale}")  # fmt: skip

@@ -4,7 +4,9 @@ Small on purpose (a handful per family, the default first): warps scaled by the 
 capped by threads per unit, pipeline stages within shared memory, GEMM tiles whose stages fit.
 Row kernels (norms, embedding, rope, KV write) keep their block sizes, which the kernel needs to
 cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N. The few-rows
-GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks.
+GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks; the quantized
+one without a norm (gemv_wq) its columns a program, its unrolled tiles and, where the device has programmatic
+dependent launch, when the next kernel may launch (PDL_TRIGGER).
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: 
                                   (t, max(1, p // 2), w0)):
             out.append({**base, "TILE": tile, "PROGRAMS": programs, "num_warps": w})
         out += [{**base, "num_warps": w} for w in _warps(w0, warp, cu.max_threads_per_unit)]
+    elif family == "gemv_wq" and {"BLOCK_N", "UNROLL"} <= set(base):
+        # the sub-group GEMV at one row waits on memory latency: the loads in flight (columns x unrolled tiles) and,
+        # under programmatic dependent launch, when the next kernel may take the units (PDL_TRIGGER 1 / 2) decide it
+        if "PDL_TRIGGER" in base and descriptor.has("programmatic_dependent_launch"):
+            out.append({**base, "PDL_TRIGGER": 3 - base["PDL_TRIGGER"]})
+        bn, unroll = base["BLOCK_N"], base["UNROLL"]
+        out += [{**base, "BLOCK_N": bn * 2}, {**base, "BLOCK_N": max(1, bn // 2)}, {**base, "UNROLL": max(1, unroll // 2)}]
+        out += [{**base, "num_warps": w} for w in _warps(base["num_warps"], warp, cu.max_threads_per_unit)]
     else:
         out += [{**base, "num_warps": w} for w in _warps(base.get("num_warps", 4), warp, cu.max_threads_per_unit)]
     from portlayer.capabilities.tuning import MAX_VALUE

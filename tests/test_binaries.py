@@ -324,10 +324,12 @@ def test_pdl_binaries_only_for_descriptors_with_the_feature(arts):
                 assert r["pdl"] is pdl and r["constexprs"]["PDL"] is pdl, (target, name)
 
 
-def test_pdl_kernels_wait_for_the_previous_grid_before_touching_memory():
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_pdl_kernels_wait_for_the_previous_grid_before_touching_memory(quantize):
     """The PTX of a PDL=True kernel starts with griddepcontrol.wait (then .launch_dependents) before its first
-    global load; a few-rows GEMV's first prefetches its weights into L2 (no kernel writes them), then waits before
-    its first load; PDL=False compiles the block away. Checked in the PTX Triton emits for sm_90."""
+    global load; a few-rows GEMV's first prefetches its weights into L2 (no kernel writes them; int4: the packed
+    bytes, scales and offsets), then waits before its first load; PDL=False compiles the block away. Checked in
+    the PTX Triton emits for sm_90."""
     import os
     import subprocess
     import sys
@@ -337,7 +339,8 @@ def test_pdl_kernels_wait_for_the_previous_grid_before_touching_memory():
 
     with tempfile.TemporaryDirectory() as d:
         art = Path(d) / "a"
-        portlayer.compile("tiny-qwen3", target="nvidia-h200", output=art, progress=False, sources_only=True)
+        portlayer.compile("tiny-qwen3", target="nvidia-h200", output=art, progress=False, sources_only=True,
+                          quantize=quantize)
         probe = rf"""
 import json, re, sys
 from pathlib import Path
@@ -347,7 +350,8 @@ from portlayer.codegen import aot
 art = Path({str(art)!r})
 info = json.loads((art / "kernels.json").read_text())["kernels"]
 out = {{}}
-for name in sorted(info)[:3] + [n for n in sorted(info) if n.startswith("gemv")][:2]:
+gemvs = [n for n in sorted(info) if n.startswith("gemv") and (not {quantize!r} or "_w4" in n)]
+for name in sorted(info)[:3] + gemvs[:{4 if quantize else 2}]:
     k = info[name]
     mod = aot._module(art / "kernels" / (k["module"] + ".py"))
     for pdl in (False, True):
@@ -356,22 +360,26 @@ for name in sorted(info)[:3] + [n for n in sorted(info) if n.startswith("gemv")]
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": k["num_warps"]}}).asm["ptx"]
         body = ptx[ptx.index(".entry"):]
         marks = [m.group(0) for m in re.finditer(r"griddepcontrol\.\w+|ld\.global|prefetch\.global\.L2", body)]
-        out[f"{{name}}:{{pdl}}"] = [m for i, m in enumerate(marks) if m != "prefetch.global.L2" or marks[i - 1 : i] != [m]][:4]
+        first = [m for i, m in enumerate(marks) if m != "prefetch.global.L2" or marks[i - 1 : i] != [m]][:4]
+        out[f"{{name}}:{{pdl}}"] = first + (["(triggers)"] if "griddepcontrol.launch_dependents" in marks else [])
 print(json.dumps(out))
 """
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     marks = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(marks) == 10
+    assert len(marks) == (14 if quantize else 10)
     for key, seen in marks.items():
-        if key.endswith(":True") and key.startswith("gemv"):  # the weights' prefetch into L2, then the wait
+        if key.endswith(":True") and key.startswith("gemv_wq"):  # launch.gemv_wq's PDL_TRIGGER 2: never triggers early
+            assert seen == ["prefetch.global.L2", "griddepcontrol.wait", "ld.global", "ld.global"], (key, seen)
+        elif key.endswith(":True") and key.startswith("gemv"):  # the weights' prefetch into L2, then the wait
             assert seen[:3] == ["prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents"], (key, seen)
             assert seen[3] == "ld.global", (key, seen)
         elif key.endswith(":True"):
             assert seen[:2] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], (key, seen)
         else:
-            assert not any(s.startswith(("griddepcontrol", "prefetch")) for s in seen), (key, seen)
+            assert not any(s.startswith(("griddepcontrol", "prefetch", "(")) for s in seen), (key, seen)
+    assert not quantize or any(k.startswith("gemv_wq") for k in marks), sorted(marks)
 
 
 def test_launch_config_matches_cuda_h():

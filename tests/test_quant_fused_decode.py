@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from triton_harness import build_program, record_launches, rel_err, use_interpreter
 
+from portlayer.codegen.lowering import Unlowerable
 from portlayer.flatten.ir import GraphBuilder, TensorType
 
 pytestmark = pytest.mark.interpreter
@@ -219,3 +220,23 @@ def test_a_launch_config_off_the_powers_of_two_still_reads_every_column(tmp_path
             xv = torch.randn(t, k, generator=g)
             for o, w in zip(prog.run({"x": xv}, None, None), want(xv, None)):
                 assert rel_err(o, w) <= 1e-4, (kind, bits, group, t, rel_err(o, w))
+
+
+def test_the_pdl_trigger_is_the_launch_configs_and_a_bad_one_is_refused_by_name(tmp_path):
+    """launch.gemv_wq's PDL_TRIGGER picks the sub-group kernel's trigger (1: right after its wait, 2: as its programs
+    exit); it never changes what the kernel computes, and a value from a bad tuning file or override is refused."""
+    graph, want = _build("single", 4, 192, 64, True, norm=False)
+    sources = {}
+    for trigger in (1, 2):
+        launch = {**LAUNCH, "gemv_wq": {**LAUNCH["gemv_wq"], "PDL_TRIGGER": trigger}}
+        gen, prog = build_program(graph, tmp_path / f"t{trigger}", launch=launch, gemv_max_tokens=4, gemv_dot_max_tokens=0)
+        (spec,) = [s for s in gen.kernels.values() if "SUB" in s.constexprs]
+        sources[trigger] = spec.source
+        xv = torch.randn(1, 192, generator=torch.Generator().manual_seed(trigger))
+        for o, w in zip(prog.run({"x": xv}, None, None), want(xv, None)):
+            assert rel_err(o, w) <= 1e-4
+    assert "gdc_launch_dependents()" in sources[1] and "gdc_launch_dependents()" not in sources[2]
+    assert sources[2].count("gdc_wait()") == 1
+    bad = {**LAUNCH, "gemv_wq": {**LAUNCH["gemv_wq"], "PDL_TRIGGER": 0}}
+    with pytest.raises(Unlowerable, match=r"^launch config .*PDL_TRIGGER is 1 .* or 2 .*not 0; fix the tuning file"):
+        build_program(graph, tmp_path / "bad", launch=bad, gemv_max_tokens=4, gemv_dot_max_tokens=0)

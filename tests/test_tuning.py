@@ -133,6 +133,11 @@ def test_candidates_stay_inside_what_the_descriptor_allows(target):
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
             if dec.name in ("launch.reduction", "launch.embedding"):
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"]  # a row kernel covers its whole row
+            if dec.name == "launch.gemv_wq":  # PDL_TRIGGER is 1 or 2, and only varies where the device has PDL
+                assert c["PDL_TRIGGER"] in (1, 2)
+                assert d.has("programmatic_dependent_launch") or c["PDL_TRIGGER"] == dec.value["PDL_TRIGGER"]
+        if dec.name == "launch.gemv_wq" and d.has("programmatic_dependent_launch"):
+            assert {c["PDL_TRIGGER"] for c in cands} == {1, 2}
 
 
 def test_cache_key_suffix_follows_the_tuning_file(cache):

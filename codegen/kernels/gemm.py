@@ -28,6 +28,7 @@ from portlayer.codegen.kernels.gemv_tiles import (
     few_rows_tiers,
     gemv_blocks_call,
     gemv_tiles,
+    pdl_trigger,
     sub_group_tiles,
     tier_why,
     whole_k_tiles,
@@ -156,7 +157,8 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
         bias = lin.inputs[3] if len(lin.inputs) > 3 else None
         off = lin.inputs[4] if len(lin.inputs) > 4 else None
         bits, gsize = int(lin.attrs["bits"]), int(lin.attrs["group_size"])
-        quant = {"bits": bits, "offsets": off is not None, "dot": False, "in_group": False, "sub": False}
+        quant = {"bits": bits, "offsets": off is not None, "dot": False, "in_group": False, "sub": False,
+                 "pdl_trigger": 1}
         n_out = int(ctx.types[qw].shape[0])
         k_in = int(ctx.types[x].shape[-1])
     else:
@@ -181,6 +183,7 @@ def build_gemm_kernel(ctx: GenContext, group: KernelGroup, few_rows: bool = Fals
             cfg = ctx.cfg("gemv_wq")
             tiles = sub_group_tiles(cfg, k_in, gsize)
             bn, bk, quant["least"], qconst, quant["sub"] = tiles.bn, tiles.bk, tiles.least, tiles.const, True
+            quant["pdl_trigger"] = pdl_trigger(cfg)
         const = {"N": n_out, "K": k_in, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}
     else:
         const = {"N": n_out, "K": k_in, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],

@@ -22,6 +22,7 @@ from portlayer.codegen.kernels.gemv_tiles import (
     few_rows_choices,
     gemv_blocks_call,
     gemv_tiles,
+    pdl_trigger,
     sub_group_tiles,
     whole_k_tiles,
 )
@@ -137,7 +138,8 @@ def _weights(ctx: GenContext, linears: list[Node], n: int, k: int, parts: int = 
         names = [x.inputs[1], x.inputs[2]] + ([x.inputs[4]] if offsets else [])
         params += [Param(f"{c}{i}_ptr", ptr(ctx.types[v].dtype)) for c, v in zip("qso", names)]
         args += names
-    quant = {"bits": bits, "offsets": offsets, "G": group, "dot": dot, "in_group": in_group, "sub": bool(tile_const)}
+    quant = {"bits": bits, "offsets": offsets, "G": group, "dot": dot, "in_group": in_group, "sub": bool(tile_const),
+             "pdl_trigger": pdl_trigger(cfg) if tile_const else 1}
     return Weights(params, args, bn, bk, quant, least, dot, cfg, tile_const)
 
 

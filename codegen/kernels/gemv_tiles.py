@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from portlayer.codegen.host_support import gemv_block_choices
 from portlayer.codegen.kernels.context import GenContext
+from portlayer.codegen.lowering import Unlowerable
 from portlayer.codegen.spec import TL_DTYPE, pow2
 
 
@@ -102,6 +103,18 @@ def sub_group_tiles(cfg: dict[str, int], k: int, group: int, parts: int = 1) -> 
         sub *= 2
     bk = max(sub, min(block_k, pow2(k)))  # a power-of-two multiple of SUB: the tile is BLOCK_K // SUB sub-groups
     return QuantTiles(block_n, bk, sub, max(1, min(cfg["UNROLL"], -(-k // bk))))
+
+
+def pdl_trigger(cfg: dict[str, int]) -> int:
+    """launch.<family>'s PDL_TRIGGER under programmatic dependent launch: 1 lets the next kernel launch right after
+    this one's wait (its programs then sit on the units, waiting), 2 only as this one's programs exit. Measured on the
+    H200 (docs/performance.md, session 16): the sub-group GEMV's early trigger made the norm-fused kernel after it
+    take 17.5 us instead of 8.3, and the int4 decode step 1.31 ms instead of 1.03."""
+    v = int(cfg.get("PDL_TRIGGER", 1))
+    if v not in (1, 2):
+        raise Unlowerable(f"launch config {cfg}: PDL_TRIGGER is 1 (the next kernel launches after this one's wait) "
+                         f"or 2 (as its programs exit), not {v}; fix the tuning file or override that set it")
+    return v
 
 
 def floor_pow2(n: int) -> int:
