@@ -102,14 +102,15 @@ def _diff(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
 
 @lower(aten.cumsum)
 def _cumsum(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
-    """torch.cumsum of integers / bools (flatten/cumsum.py: a triangular matmul, exact below 2**53); transformers'
-    mask code sums packed-sequence starts. Floats are refused: an inf or nan would spread to the whole row."""
+    """torch.cumsum (flatten/cumsum.py: a triangular matmul; integers exact below 2**53, floats with their infinities
+    and nans as a running sum leaves them); transformers' mask code sums packed-sequence starts."""
     from portlayer.flatten.cumsum import INTS, emit_cumsum
 
     dim = int(args[1]) if len(args) > 1 else int(kwargs["dim"])
-    if cv.type_of(args[0]).dtype not in INTS:  # 0 * inf = nan: one inf would turn the whole row to nan
-        raise UnsupportedOpError(f"cumsum of {cv.type_of(args[0]).dtype} at FX node {node.name}: portlayer lowers "
-                                 "cumsum as a triangular matmul, exact for integers and bools only")
+    dtype = cv.type_of(args[0]).dtype
+    if dtype not in INTS and dtype not in ("float64", "float32", "float16", "bfloat16"):
+        raise UnsupportedOpError(f"cumsum of {dtype} at FX node {node.name}: portlayer sums integers, bools and "
+                                 "real floats")
     return emit_cumsum(cv, args[0], dim, out_dtype=cv.out_dtype())
 
 

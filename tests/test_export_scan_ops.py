@@ -76,11 +76,33 @@ def test_and_or_of_bool_masks_match_torch_and_integer_bitwise_is_refused() -> No
         convert_exported_program(torch.export.export(Scan(lambda x: x & 6), (x,)))
 
 
-def test_cumsum_of_floats_is_refused_naming_why() -> None:
-    """The triangular-matmul lowering multiplies every element by 0 or 1: an inf in a float row would make
-    0 * inf = nan everywhere, so float cumsum is refused rather than silently wrong."""
-    from portlayer.flatten.from_export import UnsupportedOpError
+FLOAT_ROWS = [  # finite values, then rows with +inf, -inf, both, and a nan at different places
+    [0.5, -1.25, 3.0, 2.0, -0.75, 1.5, 4.0],
+    [1.0, float("inf"), 2.0, -3.0, 1.0, 0.5, 2.0],
+    [float("-inf"), 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+    [1.0, 2.0, float("inf"), 3.0, float("-inf"), 1.0, 1.0],
+    [1.0, 2.0, 3.0, float("nan"), 1.0, 2.0, 3.0],
+    [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, float("inf")],
+]
 
-    ep = torch.export.export(Scan(lambda x: torch.cumsum(x.float(), -1)), (torch.randint(0, 9, (3, 7)),))
-    with pytest.raises(UnsupportedOpError, match="cumsum of float32 .*integers and bools only"):
-        convert_exported_program(ep)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("dim", [-1, 0])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cumsum_of_floats_keeps_infinities_and_nans_where_torch_has_them(dtype, dim, dynamic) -> None:
+    """Float cumsum: an inf or nan goes where a running sum puts it (a plain triangular matmul would multiply it by 0
+    and turn the whole row into nan); the finite values match torch.cumsum within rounding."""
+    x = torch.tensor(FLOAT_ROWS, dtype=dtype)
+    dims = {"x": {1: torch.export.Dim("num_tokens", min=3, max=64)}} if dynamic else None
+    g = convert_exported_program(torch.export.export(Scan(lambda x: torch.cumsum(x, dim)), (x,), dynamic_shapes=dims))
+    cases = [x] + ([torch.cat([x, x[:, :5].flip(-1)], dim=1)] if dynamic else [])
+    for xv in cases:
+        (ours,) = run_graph(g, {g.inputs[0].name: xv}, None)
+        want = torch.cumsum(xv, dim)
+        assert ours.dtype == want.dtype and ours.shape == want.shape
+        assert torch.equal(ours.isnan(), want.isnan()) and torch.equal(ours.isinf(), want.isinf()), (ours, want)
+        fin = want.isfinite()
+        assert torch.equal(ours[~fin & ~want.isnan()], want[~fin & ~want.isnan()])  # the same sign of infinity
+        tol = 1e-2 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(ours[fin], want[fin], rtol=tol, atol=tol)
+

@@ -101,3 +101,32 @@ def test_reduction_across_tokens_is_refused_for_the_stream(tmp_path: Path) -> No
     assert import_onnx(p, stream=False).outputs  # the faithful graph is fine
     with pytest.raises(OnnxImportError, match="reduces across tokens"):
         import_onnx(p)
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumsum_of_floats_with_infinities_and_nans_matches_onnxruntime(tmp_path: Path, exclusive: int, reverse: int) -> None:
+    """CumSum of floats holding +-inf and nan: portlayer's import (a triangular matmul with the non-finite values
+    taken out first) gives onnxruntime's infinities and nans in the same places, and its finite values."""
+    import onnxruntime as ort
+    import torch
+
+    from portlayer.flatten.interpret import run_graph
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6])
+    axis = numpy_helper.from_array(np.array(1, np.int64), "axis")
+    node = helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse)
+    m = helper.make_model(helper.make_graph([node], "g", [x], [y], [axis]), opset_imports=[helper.make_opsetid("", 17)])
+    p = tmp_path / "c.onnx"
+    onnx.save(m, str(p))
+    inf, nan = np.inf, np.nan
+    xv = np.array([[1.5, -2.0, 3.25, 0.5, 1.0, 2.0], [1.0, inf, 2.0, -1.0, 3.0, 1.0],
+                   [1.0, 2.0, -inf, 1.0, inf, 2.0], [nan, 1.0, 2.0, 3.0, 4.0, 5.0]], np.float32)
+    want = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
+    g = import_onnx(p, stream=False)
+    (ours,) = run_graph(g, {g.inputs[0].name: torch.from_numpy(xv)}, None)
+    ours = ours.numpy()
+    assert np.array_equal(np.isnan(ours), np.isnan(want)) and np.array_equal(np.isinf(ours), np.isinf(want)), (ours, want)
+    fin = np.isfinite(want)
+    assert np.array_equal(ours[np.isinf(want)], want[np.isinf(want)])
+    np.testing.assert_allclose(ours[fin], want[fin], rtol=1e-6, atol=1e-6)
