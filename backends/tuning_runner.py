@@ -93,11 +93,25 @@ def family_kernel(name: str, family: str) -> bool:
     return name.startswith(kernel_prefixes(family)) and not name.startswith(longer)
 
 
-def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, rounds: int = 3) -> tuple[float, int]:
+def busy_us(intervals: Sequence[tuple[float, float]]) -> float:
+    """How long the device was running any of these (start, end) kernel intervals: overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, rounds: int = 3,
+                     whole_steps: bool = False) -> tuple[float, int]:
     """Device microseconds per call-set of ``family``'s kernels, and their launches per set: each of ``fns``
     (the decode steps and a prefill) run ``iters`` times under the CUDA profiler, the kernels whose names start
     with the family's prefix summed; the best of ``rounds``. Kernel time alone: a step's wall time is
-    mostly host launch cost and the other families, whose noise picked wrong configs (-30% at batch 1)."""
+    mostly host launch cost and the other families, whose noise picked wrong configs (-30% at batch 1).
+    ``whole_steps``: the time the device ran any kernel instead (overlaps once, host gaps not counted), for a
+    family whose candidates change when the next kernel may start (launch.<family>'s PDL_TRIGGER): under
+    programmatic dependent launch that shows in the kernels after the family's, not in its own."""
     from torch.profiler import ProfilerActivity, profile
 
     best, launches = float("inf"), 0
@@ -111,9 +125,20 @@ def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, 
                     fn()
             torch.cuda.synchronize()
         hits = [e for e in prof.key_averages() if family_kernel(e.key, family)]
-        best = min(best, sum(e.device_time_total for e in hits) / iters)
         launches = round(sum(e.count for e in hits) / iters)
+        if whole_steps:
+            kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
+                       and "Memset" not in e.name]  # fmt: skip
+            best = min(best, busy_us(kernels) / iters)
+        else:
+            best = min(best, sum(e.device_time_total for e in hits) / iters)
     return best, launches
+
+
+def whole_step_metric(family: str, default: dict[str, int], descriptor: Any) -> bool:
+    """Whether ``family``'s candidates are compared by the steps' device time (family_device_us's whole_steps)."""
+    return "PDL_TRIGGER" in default and descriptor.has("programmatic_dependent_launch")
 
 
 class StepTimer:
@@ -131,9 +156,10 @@ class StepTimer:
         self.steps.append(_step_inputs(graph, [prefill], [0], block, dtype, self.device))
         self.launches: dict[str, int] = {}  # family -> its kernels' launches per set of steps
 
-    def __call__(self, launch: dict[str, dict[str, int]], family: str | None = None) -> float:
+    def __call__(self, launch: dict[str, dict[str, int]], family: str | None = None, whole_steps: bool = False) -> float:
         """Microseconds under ``launch``: on CUDA the device time of ``family``'s kernels in one decode step per
-        batch plus one prefill (the CUDA profiler); elsewhere, or when none of its kernels ran, the steps' wall time."""
+        batch plus one prefill (the CUDA profiler; ``whole_steps``: of all kernels, overlaps once); elsewhere, or
+        when none of its kernels ran, the steps' wall time."""
         from portlayer.backends.generate import generate
         from portlayer.backends.triton_program import load_program
         from portlayer.codegen.program import write_program
@@ -144,7 +170,8 @@ class StepTimer:
         prog = load_program(out, self.graph.weights, str(self.device), self.plan)
         steps = [lambda s=s, p=prog: p.run(*s) for s in self.steps]
         with torch.inference_mode():
-            t, n = (family_device_us(steps, family, self.iters) if family and self.device.type == "cuda"
+            t, n = (family_device_us(steps, family, self.iters, whole_steps=whole_steps)
+                    if family and self.device.type == "cuda"
                     else (0.0, 0))  # fmt: skip
             if n:
                 self.launches[family] = n
@@ -188,11 +215,12 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                 say(f"tune: budget {budget_s:.0f}s reached after {spent:.0f}s; left at their defaults: {', '.join(fams[i:])}")
                 break
             cands = candidates(fam, defaults[fam], descriptor, str(plan.compute_dtype), limit)
+            whole = whole_step_metric(fam, defaults[fam], descriptor)
             t0 = time.perf_counter()
             times = []
             for cfg in cands:
                 try:
-                    times.append(timer({fam: cfg}, fam))
+                    times.append(timer({fam: cfg}, fam, whole))
                 except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
                     say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
                     times.append(float("inf"))
@@ -212,8 +240,9 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             n = timer.launches.get(fam)
             say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
                 f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}; "
-                + (f"device time of its {n} kernel launches" if n else "wall time of the timed steps (no CUDA profiler "
-                   "here)"))
+                + ("device time of the whole steps (its PDL_TRIGGER moves the kernels after it)" if n and whole
+                   else f"device time of its {n} kernel launches" if n
+                   else "wall time of the timed steps (no CUDA profiler here)"))
             slowest = max(slowest, time.perf_counter() - t0)
             if on_family is not None:
                 on_family(out)

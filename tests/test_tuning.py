@@ -221,3 +221,26 @@ def test_a_user_override_of_a_launch_config_stands_over_the_descriptors_measured
     plan = negotiate(_req(), d, {"launch.gemv": mine, "launch.attention_decode": {"num_warps": 4}})
     assert plan.value("launch.gemv") == mine and plan.decision("launch.gemv").reason.startswith("user override")
     assert plan.value("launch.attention_decode") == {"num_warps": 4}
+
+
+def test_busy_time_counts_overlapping_kernels_once_and_skips_idle_gaps():
+    from portlayer.backends.tuning_runner import busy_us
+
+    # PDL: the second kernel starts before the first ends; a host gap (30-40) is not device time
+    assert busy_us([(0.0, 10.0), (5.0, 12.0), (11.0, 11.5), (40.0, 45.0), (30.0, 30.0)]) == 17.0
+    assert busy_us([(2.0, 4.0), (0.0, 1.0)]) == 3.0 and busy_us([]) == 0.0
+
+
+@pytest.mark.parametrize("target", ["nvidia-h200", "amd-mi300x"])
+def test_a_pdl_trigger_is_tuned_by_the_whole_steps_where_the_device_has_pdl(target):
+    """launch.gemv_wq's PDL_TRIGGER changes when the kernel after it starts, which its own kernel time cannot show:
+    on a PDL device its candidates are compared by the steps' device time; every other family by its own kernels."""
+    from portlayer.backends.tuning_runner import whole_step_metric
+
+    d = load_descriptor(target)
+    plan = negotiate(_req(), d)
+    wq = plan.value("launch.gemv_wq")
+    assert wq["PDL_TRIGGER"] == 2
+    assert whole_step_metric("gemv_wq", wq, d) is d.has("programmatic_dependent_launch")
+    assert not any(whole_step_metric(x.name.removeprefix("launch."), x.value, d) for x in plan
+                   if x.name.startswith("launch.") and x.value and x.name != "launch.gemv_wq")
