@@ -218,9 +218,10 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
             whole = whole_step_metric(fam, defaults[fam], descriptor)
             t0 = time.perf_counter()
             times = []
-            for cfg in cands:
+            for j, cfg in enumerate(cands):
                 try:
                     times.append(timer({fam: cfg}, fam, whole))
+                    say(f"tune {fam}: candidate {j + 1}/{len(cands)} {cfg}: {times[-1]:.1f} us")
                 except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
                     say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
                     times.append(float("inf"))
