@@ -97,7 +97,8 @@ def measure_small_m(device: torch.device, dtype: str, sizes: Sizes, progress: Pr
     k = k or sizes.gemm_k
     n = n or k
     w = torch.randn(n, k, device=device, dtype=TORCH_DTYPES[dtype]) / k**0.5
-    copies = max(1, min(1024, sizes.cold_bytes // (w.numel() * w.element_size())))
+    nbytes = w.numel() * w.element_size()
+    copies = max(1, min(1024, sizes.cold_bytes // nbytes)) if nbytes >= sizes.cold_min_bytes else 1
     weights = itertools.cycle([w] + [w.clone() for _ in range(copies - 1)])  # Sizes.cold_bytes: read cold
     rows = []
     progress.start(f"decode GEMM curve {dtype} ({label}) M={list(sizes.gemm_ms)} "

@@ -49,14 +49,22 @@ class Sizes:
     # call reads its weight from memory as a decode step does (every other layer's weights stream between
     # two reads of one), not from a cache that a small repeated weight stays in (the H200's L2 is 50 MB)
     cold_bytes: int = 0
+    # ... for weights of at least this many bytes (a smaller one, the small-K curve's fixed cost, stays one weight:
+    # on a CPU a model's small weights stay in the caches between steps, its large ones stream from memory)
+    cold_min_bytes: int = 0
 
 
+# CPU decode GEMM curves read cold weights (cold_bytes): on this 2-vCPU host F.linear at one row reads a 4-24 MiB
+# weight at 27-28 GB/s when it is the same weight each call and at 16-18 GB/s cycling through 256 MiB of them, as
+# a decode step does (2026-12-04, docs/capabilities.md session 16; the hot curve predicted the 0.6B shape 21-33% low)
 CPU_QUICK = Sizes(copy_bytes=64 * 2**20, matmul_n=512, iters=5, warmup=3, launches=20000, max_seconds_per_dtype=0.25,
                   reps=7, budget_s=0.07, rounds=6, gemm_ms=(1, 4, 16, 64, 256),
-                  attn_points=((1, 128), (8, 128), (32, 128), (1, 1024), (8, 1024), (32, 1024)))  # fmt: skip
+                  attn_points=((1, 128), (8, 128), (32, 128), (1, 1024), (8, 1024), (32, 1024)),
+                  cold_bytes=256 * 2**20, cold_min_bytes=2**20)  # fmt: skip
 CPU_FULL = Sizes(copy_bytes=256 * 2**20, matmul_n=1024, iters=5, warmup=3, launches=50000, max_seconds_per_dtype=1.5,
                  reps=11, budget_s=0.3, rounds=3, gemm_ms=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-                 attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)))  # fmt: skip
+                 attn_points=((1, 256), (1, 2048), (8, 256), (16, 1024)), cold_bytes=256 * 2**20,
+                 cold_min_bytes=2**20)  # fmt: skip
 GPU_QUICK = Sizes(copy_bytes=1 * 2**30, matmul_n=4096, iters=20, warmup=3, launches=3000, max_seconds_per_dtype=1.0,
                   reps=5, budget_s=0.05, gemm_k=4096, gemm_ms=(1, 8, 16, 64, 128, 512, 2048),
                   attn_points=((1, 128), (1, 1024), (16, 1024), (64, 128), (64, 1024)),

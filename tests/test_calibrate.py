@@ -323,8 +323,9 @@ def test_the_decode_step_program_graph_step_calibration_replays_is_paged_attenti
 
 
 def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
-    """Sizes.cold_bytes (the GPU presets: 512 MiB): the curve cycles through weight copies, so a small weight is
-    not timed from a cache it would never sit in during a decode step; 0 (the CPU presets) keeps one weight."""
+    """Sizes.cold_bytes (GPU presets 512 MiB, CPU 256 MiB): the curve cycles through weight copies, so a weight is
+    not timed from a cache it would never sit in during a decode step; a weight below cold_min_bytes (the CPU's
+    small-K curve: the fixed cost of a call) and cold_bytes 0 keep one weight."""
     import dataclasses
 
     import torch
@@ -332,17 +333,22 @@ def test_decode_gemm_curve_reads_a_different_weight_copy_each_call_when_asked():
     from portlayer.capabilities.calibrate_gemm import measure_small_m
     from portlayer.capabilities.calibrate_timing import CPU_QUICK, GPU_QUICK, Progress
 
-    assert GPU_QUICK.cold_bytes >= 256 << 20 and CPU_QUICK.cold_bytes == 0
-    for cold, want in ((4 * 64 * 64 * 4, 4), (0, 1)):
+    assert GPU_QUICK.cold_bytes >= 256 << 20 and GPU_QUICK.cold_min_bytes == 0
+    assert CPU_QUICK.cold_bytes >= 256 << 20 and CPU_QUICK.cold_min_bytes >= 1 << 20
+    small_k = max(64, CPU_QUICK.gemm_k // 8)
+    assert small_k * small_k * 4 < CPU_QUICK.cold_min_bytes <= CPU_QUICK.gemm_k ** 2 * 4  # small hot, big cold
+    w = 64 * 64 * 4
+    for cold, least, want in ((4 * w, 0, 4), (0, 0, 1), (4 * w, w, 4), (4 * w, w + 1, 1)):
         seen: list[int] = []
 
         def run(x, w, out, seen=seen):
             seen.append(w.data_ptr())
             return torch.mm(x, w.t(), out=out)
 
-        sizes = dataclasses.replace(CPU_QUICK, cold_bytes=cold, gemm_ms=(1, 2), reps=1, budget_s=0.01, warmup=1)
+        sizes = dataclasses.replace(CPU_QUICK, cold_bytes=cold, cold_min_bytes=least, gemm_ms=(1, 2), reps=1,
+                                    budget_s=0.01, warmup=1)
         rows = measure_small_m(torch.device("cpu"), "fp32", sizes, Progress(enabled=False), k=64, run=run)
-        assert len(rows) == 2 and len(set(seen)) == want
+        assert len(rows) == 2 and len(set(seen)) == want, (cold, least)
 
 
 def test_skinny_gemm_shapes_are_timed_with_their_own_weight_and_output():
