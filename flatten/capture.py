@@ -332,6 +332,21 @@ def record_layer_masks(model: torch.nn.Module, accepts: set[str]) -> None:
             if "capture is refused" in str(e):
                 raise CaptureError(str(e)) from e
             raise
+        except (TypeError, AttributeError) as e:  # modeling code that adds the mask to its own scores (ALiBi, ...)
+            if "MaskSpec" in str(e):
+                raise bypass_error(model, f"its modeling code used the attention mask as a tensor ({e})") from None
+            raise
+
+
+def bypass_error(model: torch.nn.Module, detail: str = "") -> CaptureError:
+    """The refusal of a model whose attention does not dispatch through transformers' AttentionInterface."""
+    return CaptureError(
+        f"{type(model).__name__}'s attention does not go through transformers' AttentionInterface"
+        f"{f' ({detail})' if detail else ''}, so portlayer cannot capture it as one attention op (masks and sequence "
+        "boundaries would be baked into the graph). Supported are models whose modeling code dispatches attention "
+        "through ALL_ATTENTION_FUNCTIONS: Llama, Qwen2/3, Mistral, Gemma 1/2, Phi, Phi-3, StableLM, GPT-NeoX, OPT, "
+        "GPT-2, BERT, RoBERTa, ...; ALiBi models (BLOOM, MPT, Falcon with alibi) add their bias to the mask themselves."
+    )
 
 
 def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export.ExportedProgram:
@@ -444,13 +459,7 @@ def _export_and_convert(module: torch.nn.Module, max_tokens: int, say: Callable[
 
     ep = export_token_stream(module, max_tokens=max(max_tokens, 8))
     if not any(getattr(m, "_portlayer_attention_seen", False) for m in module.modules()):
-        raise CaptureError(
-            f"{type(module).__name__}'s attention does not go through transformers' AttentionInterface, so "
-            "portlayer cannot capture it as one attention op (masks and sequence boundaries would be baked "
-            "into the graph). Supported are models whose modeling code dispatches attention through "
-            "ALL_ATTENTION_FUNCTIONS: Llama, Qwen2/3, Mistral, Gemma 1/2, Phi, Phi-3, StableLM, GPT-NeoX, "
-            "OPT, GPT-2, BERT, RoBERTa, ..."
-        )
+        raise bypass_error(module)
     say("converting to the Flat IR")
     return convert_exported_program(ep, token_symbol=TOKEN_SYMBOL)
 

@@ -109,3 +109,20 @@ def test_captured_graph_round_trips_through_json_and_safetensors(captured, tmp_p
     assert print_graph(g2, show_meta=True) == print_graph(g, show_meta=True)
     ids = torch.randint(0, 256, (13,))
     assert torch.equal(interpret(g2, ids), interpret(g, ids))
+
+
+ALIBI = {  # models that add their ALiBi bias to the attention mask in their own modeling code
+    "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4)),
+    "falcon_alibi": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                                                               num_attention_heads=4, alibi=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIBI))
+def test_alibi_models_that_use_the_mask_as_a_tensor_are_refused_by_name(name):
+    """Their attention uses the mask as a tensor (adds its ALiBi bias), which the capture's mask stand-in is not:
+    a CaptureError naming the model and why, not a TypeError from inside transformers."""
+    torch.manual_seed(0)
+    model = ALIBI[name]().eval()
+    with pytest.raises(CaptureError, match=f"{type(model).__name__}'s attention does not go through .*ALiBi"):
+        capture(model)
