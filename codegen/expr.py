@@ -51,10 +51,8 @@ class IndexContext:
 def _lit(x: Any) -> str:
     if isinstance(x, bool):
         return "1" if x else "0"
-    if isinstance(x, float):
-        if math.isinf(x):
-            return "float('inf')" if x > 0 else "float('-inf')"
-        return repr(x)
+    if isinstance(x, float) and not math.isfinite(x):  # repr gives the bare names inf / nan, undefined in a kernel
+        return "float('nan')" if math.isnan(x) else ("float('inf')" if x > 0 else "float('-inf')")
     return repr(x)
 
 

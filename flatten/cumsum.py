@@ -3,7 +3,8 @@
 dtype, with non-finite values taken out first: a 0 * inf in the matmul would turn every later element into nan.
 Where a +inf / -inf / nan has been seen, the result is what a running sum gives (inf, -inf, or nan once nan or
 both infinities have been seen). Floats are summed in the matmul's order, not left to right, so the result can
-differ from a sequential sum in the last bits."""
+differ from a sequential sum in the last bits, and near the dtype's largest value a partial sum can overflow to inf
+where torch's (float64-accumulating, on the CPU) does not. ``out_dtype`` (torch's ``dtype=``) is cast to first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ def emit_cumsum(cv: Any, x: str, axis: int, exclusive: bool = False, reverse: bo
     (default x's)."""
     t = cv.type_of(x)
     out_dtype = out_dtype or t.dtype
+    if out_dtype != t.dtype:  # torch.cumsum(x, dtype=d) casts x to d, then sums (in d: fp16 into float32, floats to ints)
+        x = cv.emit("cast", [x], {"dtype": out_dtype})
+        t = cv.type_of(x)
+    if t.rank == 0:  # the cumulative sum of one number is that number
+        return x
     if t.rank == 1:  # as a row, then back
         y = emit_cumsum(cv, cv.reshape_to(x, [1, t.shape[0]]), 1, exclusive, reverse, out_dtype)
         return cv.reshape_to(y, list(t.shape))

@@ -106,3 +106,20 @@ def test_cumsum_of_floats_keeps_infinities_and_nans_where_torch_has_them(dtype, 
         tol = 1e-2 if dtype == torch.float16 else 1e-5
         torch.testing.assert_close(ours[fin], want[fin], rtol=tol, atol=tol)
 
+
+
+@pytest.mark.parametrize("case", ["fp16_into_fp32", "float_into_int64", "int32_into_fp16", "scalar"])
+def test_cumsum_with_a_dtype_casts_first_then_sums_as_torch_does(case) -> None:
+    """torch.cumsum(x, dtype=d) casts x to d and sums in d: fp16 values whose sum overflows fp16 stay finite in
+    float32, floats summed as int64 are truncated first; a 0-d tensor is its own cumulative sum."""
+    x, fn = {
+        "fp16_into_fp32": (torch.tensor([[60000.0, 60000.0, -60000.0]] * 2, dtype=torch.float16),
+                           lambda x: torch.cumsum(x, -1, dtype=torch.float32)),
+        "float_into_int64": (torch.tensor([[1.7, 2.6, 3.5]] * 2), lambda x: torch.cumsum(x, -1, dtype=torch.int64)),
+        "int32_into_fp16": (torch.tensor([[1, 2, 3]] * 2, dtype=torch.int32), lambda x: torch.cumsum(x, 1, dtype=torch.float16)),
+        "scalar": (torch.tensor([3.0, 4.0]), lambda x: torch.cumsum(x.sum(), 0)),
+    }[case]
+    g = convert_exported_program(torch.export.export(Scan(fn), (x,)))
+    (ours,) = run_graph(g, {g.inputs[0].name: x}, None)
+    want = fn(x)
+    assert ours.dtype == want.dtype and ours.shape == want.shape and torch.equal(ours, want), (ours, want)

@@ -104,11 +104,14 @@ def test_reduction_across_tokens_is_refused_for_the_stream(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
-def test_cumsum_of_floats_with_infinities_and_nans_matches_onnxruntime(tmp_path: Path, exclusive: int, reverse: int) -> None:
+def test_cumsum_of_floats_with_infinities_and_nans_matches_onnxruntime(tmp_path: Path, monkeypatch, exclusive: int,
+                                                                        reverse: int) -> None:
     """CumSum of floats holding +-inf and nan: portlayer's import (a triangular matmul with the non-finite values
-    taken out first) gives onnxruntime's infinities and nans in the same places, and its finite values."""
+    taken out first) gives onnxruntime's infinities and nans in the same places, and its finite values; so do the
+    generated programs (Triton, under the interpreter, and torch)."""
     import onnxruntime as ort
     import torch
+    from triton_harness import build_program, use_interpreter
 
     from portlayer.flatten.interpret import run_graph
 
@@ -124,9 +127,15 @@ def test_cumsum_of_floats_with_infinities_and_nans_matches_onnxruntime(tmp_path:
                    [1.0, 2.0, -inf, 1.0, inf, 2.0], [nan, 1.0, 2.0, 3.0, 4.0, 5.0]], np.float32)
     want = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
     g = import_onnx(p, stream=False)
-    (ours,) = run_graph(g, {g.inputs[0].name: torch.from_numpy(xv)}, None)
-    ours = ours.numpy()
-    assert np.array_equal(np.isnan(ours), np.isnan(want)) and np.array_equal(np.isinf(ours), np.isinf(want)), (ours, want)
+    (ref,) = run_graph(g, {g.inputs[0].name: torch.from_numpy(xv)}, None)
+    use_interpreter(monkeypatch)
+    runs = {"interpreter": ref}
+    for target in ("nvidia-h200", "cpu-x86_64"):
+        _, prog = build_program(g, tmp_path / target, target=target)
+        (runs[target],) = prog.run({g.inputs[0].name: torch.from_numpy(xv)}, None, None)
     fin = np.isfinite(want)
-    assert np.array_equal(ours[np.isinf(want)], want[np.isinf(want)])
-    np.testing.assert_allclose(ours[fin], want[fin], rtol=1e-6, atol=1e-6)
+    for name, ours in runs.items():
+        ours = ours.cpu().numpy()
+        assert np.array_equal(np.isnan(ours), np.isnan(want)) and np.array_equal(np.isinf(ours), np.isinf(want)), name
+        assert np.array_equal(ours[np.isinf(want)], want[np.isinf(want)]), name
+        np.testing.assert_allclose(ours[fin], want[fin], rtol=1e-6, atol=1e-6, err_msg=name)
