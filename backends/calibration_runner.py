@@ -132,7 +132,7 @@ def _load(result: Any, dev: torch.device, out: Path, gemm_rule: int = 0, gemv_ru
 
     write_program(generate(result.graph, result.plan, result.descriptor, gemm_max_tokens=gemm_rule,
                            gemv_max_tokens=gemv_rule, gemv_dot_max_tokens=dot_rule), out)
-    src = _with_binaries(out, result.descriptor) if binaries and dev.type == "cuda" else None
+    src = with_binaries(out, result.descriptor) if binaries and dev.type == "cuda" else None
     if src is not None:
         from portlayer.codegen.kernel_binaries import KernelBinaryError
 
@@ -151,7 +151,7 @@ def launcher(prog: Any) -> str:
     return "binaries" if any(isinstance(k, (BinaryKernel, BinaryVariants)) for k in kernels) else "jit"
 
 
-def _with_binaries(out: Path, desc: Any) -> Any | None:
+def with_binaries(out: Path, desc: Any) -> Any | None:
     """The generated program's files with its kernels compiled for ``desc`` in this process (codegen/aot.py's
     binaries.json and binaries/), for load_program; None where the target has no binaries."""
     from portlayer.codegen.aot import (

@@ -3,9 +3,12 @@
 The candidates come from capabilities/tuning_space.py; each one regenerates the program with
 that family's config replaced (backends/generate.py's ``launch`` knob, everything else as the
 Plan says), loads it and runs a decode step at ``batch`` and a prefill, as the runtime runs them
-(CUDA graphs where the Plan captures). On CUDA what is compared is the device time of that
-family's kernels (the CUDA profiler), not the steps' wall time, which is mostly host launch cost. Families are tuned one after another, each against the
-defaults of the others; an entry keeps the default unless a candidate is faster. The result is a
+(CUDA graphs where the Plan captures; on CUDA its kernels compiled ahead of time as an artifact ships them,
+with programmatic dependent launch where the descriptor has it). On CUDA what is compared is the device
+time of that family's kernels (the CUDA profiler), not the steps' wall time, which is mostly host launch
+cost; a family's PDL_TRIGGER is then decided by the whole steps' device time (it moves the kernels
+after it). Families are tuned one after another, each against the defaults
+of the others; an entry keeps the default unless a candidate is faster. The result is a
 capabilities/tuning.py file the next compile's Plan reads.
 """
 
@@ -137,8 +140,34 @@ def family_device_us(fns: Sequence[Callable[[], Any]], family: str, iters: int, 
 
 
 def whole_step_metric(family: str, default: dict[str, int], descriptor: Any) -> bool:
-    """Whether ``family``'s candidates are compared by the steps' device time (family_device_us's whole_steps)."""
+    """Whether ``family`` has a PDL trigger to compare on this device, by the steps' device time (family_device_us's
+    whole_steps: the trigger moves the kernels after the family's, which its own kernel time cannot show)."""
     return "PDL_TRIGGER" in default and descriptor.has("programmatic_dependent_launch")
+
+
+def trigger_only(cfg: dict[str, int], default: dict[str, int]) -> bool:
+    """Whether ``cfg`` differs from ``default`` in its PDL_TRIGGER alone."""
+    return {k for k in cfg if cfg[k] != default.get(k)} == {"PDL_TRIGGER"}
+
+
+def _pick_trigger(timer: Any, family: str, cfg: dict[str, int], say: Callable[[str], None]) -> dict[str, int]:
+    """``cfg`` or ``cfg`` with the other PDL_TRIGGER, by the whole steps' device time, when the kernels launched
+    under programmatic dependent launch (binaries compiled with it); under the JIT the two are one kernel."""
+    flipped = {**cfg, "PDL_TRIGGER": 3 - int(cfg["PDL_TRIGGER"])}
+    try:
+        a = timer({family: cfg}, family, True)
+        if not timer.pdl:
+            say(f"tune {family}: PDL_TRIGGER not compared: the kernels did not launch under programmatic dependent "
+                "launch here (no binaries), where both values are the same kernel")
+            return cfg
+        b = timer({family: flipped}, family, True)
+    except Exception as e:  # noqa: BLE001 - a failed comparison keeps the config the first pass chose
+        say(f"tune {family}: PDL_TRIGGER comparison failed ({type(e).__name__}: {str(e)[:120]}); kept {cfg}")
+        return cfg
+    keep = b >= a * (1 - MARGIN)
+    say(f"tune {family}: PDL_TRIGGER {cfg['PDL_TRIGGER']} {a:.1f} us vs {flipped['PDL_TRIGGER']} {b:.1f} us of the "
+        f"whole steps (device time, overlaps once); {'kept' if keep else 'took'} {flipped['PDL_TRIGGER'] if not keep else cfg['PDL_TRIGGER']}")
+    return cfg if keep else flipped
 
 
 class StepTimer:
@@ -155,19 +184,39 @@ class StepTimer:
         self.steps = [_step_inputs(graph, [1] * b, [context] * b, block, dtype, self.device) for b in batches]
         self.steps.append(_step_inputs(graph, [prefill], [0], block, dtype, self.device))
         self.launches: dict[str, int] = {}  # family -> its kernels' launches per set of steps
+        self.pdl = False  # the last program's kernels launched from binaries compiled for programmatic dependent launch
+
+    def _load(self, out: Path) -> Any:
+        """The candidate's program as an artifact runs it: on CUDA its kernels compiled ahead of time for the
+        descriptor (with PDL where it has the feature, calibration_runner.with_binaries), else Triton's JIT."""
+        from portlayer.backends.calibration_runner import launcher, with_binaries
+        from portlayer.backends.triton_program import load_program
+        from portlayer.codegen.aot import PDL_FEATURE
+        from portlayer.codegen.kernel_binaries import KernelBinaryError
+
+        prog = None
+        src = with_binaries(out, self.descriptor) if self.device.type == "cuda" else None
+        if src is not None:
+            try:
+                prog = load_program(out, self.graph.weights, str(self.device), self.plan, sources=src)
+            except KernelBinaryError:  # binaries for another arch or driver: the JIT
+                prog = None
+        if prog is None:
+            prog = load_program(out, self.graph.weights, str(self.device), self.plan)
+        self.pdl = launcher(prog) == "binaries" and self.descriptor.has(PDL_FEATURE)
+        return prog
 
     def __call__(self, launch: dict[str, dict[str, int]], family: str | None = None, whole_steps: bool = False) -> float:
         """Microseconds under ``launch``: on CUDA the device time of ``family``'s kernels in one decode step per
         batch plus one prefill (the CUDA profiler; ``whole_steps``: of all kernels, overlaps once); elsewhere, or
         when none of its kernels ran, the steps' wall time."""
         from portlayer.backends.generate import generate
-        from portlayer.backends.triton_program import load_program
         from portlayer.codegen.program import write_program
 
         self.n += 1
         out = self.workdir / f"candidate-{self.n}"
         write_program(generate(self.graph, self.plan, self.descriptor, launch=launch), out)
-        prog = load_program(out, self.graph.weights, str(self.device), self.plan)
+        prog = self._load(out)
         steps = [lambda s=s, p=prog: p.run(*s) for s in self.steps]
         with torch.inference_mode():
             t, n = (family_device_us(steps, family, self.iters, whole_steps=whole_steps)
@@ -215,12 +264,13 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                 say(f"tune: budget {budget_s:.0f}s reached after {spent:.0f}s; left at their defaults: {', '.join(fams[i:])}")
                 break
             cands = candidates(fam, defaults[fam], descriptor, str(plan.compute_dtype), limit)
-            whole = whole_step_metric(fam, defaults[fam], descriptor)
+            flips = [c for c in cands[1:] if trigger_only(c, cands[0])]  # compared by whole steps, after the rest
+            cands = [c for c in cands if c not in flips]
             t0 = time.perf_counter()
             times = []
             for j, cfg in enumerate(cands):
                 try:
-                    times.append(timer({fam: cfg}, fam, whole))
+                    times.append(timer({fam: cfg}, fam))
                     say(f"tune {fam}: candidate {j + 1}/{len(cands)} {cfg}: {times[-1]:.1f} us")
                 except Exception as e:  # a config this kernel cannot compile with is a failed candidate, not a crash
                     say(f"tune {fam}: {cfg} failed ({type(e).__name__}: {str(e)[:120]})")
@@ -237,13 +287,15 @@ def tune(graph: Graph, plan: Any, descriptor: Any, device: str = "cuda", *, batc
                 continue
             if times[best] >= times[0] * (1 - MARGIN):  # within the noise of a step: keep the default
                 best = 0
-            out.put(fam, shape, cands[best], times[best], times[0], cands[0], len(cands))
+            chosen = cands[best]
+            if flips and whole_step_metric(fam, chosen, descriptor):
+                chosen = _pick_trigger(timer, fam, chosen, say)
+            out.put(fam, shape, chosen, times[best], times[0], cands[0], len(cands) + len(flips))
             n = timer.launches.get(fam)
             say(f"tune {fam}: {len(cands)} candidates in {time.perf_counter() - t0:.1f}s; default {times[0]:.1f} us, "
-                f"best {times[best]:.1f} us {cands[best]}{' (the default)' if best == 0 else ''}; "
-                + ("device time of the whole steps (its PDL_TRIGGER moves the kernels after it)" if n and whole
-                   else f"device time of its {n} kernel launches" if n
-                   else "wall time of the timed steps (no CUDA profiler here)"))
+                f"best {times[best]:.1f} us {chosen}{' (the default)' if chosen == cands[0] else ''}; "
+                + (f"device time of its {n} kernel launches" if n else "wall time of the timed steps (no CUDA profiler "
+                   "here)"))
             slowest = max(slowest, time.perf_counter() - t0)
             if on_family is not None:
                 on_family(out)

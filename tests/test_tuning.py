@@ -244,3 +244,55 @@ def test_a_pdl_trigger_is_tuned_by_the_whole_steps_where_the_device_has_pdl(targ
     assert whole_step_metric("gemv_wq", wq, d) is d.has("programmatic_dependent_launch")
     assert not any(whole_step_metric(x.name.removeprefix("launch."), x.value, d) for x in plan
                    if x.name.startswith("launch.") and x.value and x.name != "launch.gemv_wq")
+
+
+class _FakeTimer:
+    """StepTimer's interface with made-up times: gemv_wq's own kernels get faster with BLOCK_N 8, and the whole
+    steps faster with PDL_TRIGGER 2 (what the H200 measured); ``pdl``: whether binaries with PDL were launched."""
+
+    pdl_binaries = True
+
+    def __init__(self, *args, **kwargs):
+        self.device = type("D", (), {"type": "cuda"})()
+        self.launches: dict[str, int] = {}
+        self.pdl = False
+        self.calls: list[tuple[dict, bool]] = []
+
+    def __call__(self, launch, family=None, whole_steps=False):
+        cfg = launch[family]
+        self.calls.append((dict(cfg), whole_steps))
+        self.launches[family] = 56
+        self.pdl = self.pdl_binaries
+        if whole_steps:
+            return 1000.0 if cfg["PDL_TRIGGER"] == 2 else 1300.0
+        return 150.0 if cfg["BLOCK_N"] == 8 else 200.0
+
+
+@pytest.mark.parametrize("pdl_binaries", [True, False])
+def test_the_pdl_trigger_is_chosen_by_whole_steps_after_the_other_parameters(cache, monkeypatch, pdl_binaries):
+    """The trigger-only candidate is left out of the own-kernel comparison; the winner of that is then compared with
+    its other trigger over whole steps, only when the kernels launched under PDL (else both are one kernel)."""
+    from portlayer.backends import tuning_runner
+
+    class Timer(_FakeTimer):
+        pass
+
+    Timer.pdl_binaries = pdl_binaries
+    made: list[Timer] = []
+    monkeypatch.setattr(tuning_runner, "StepTimer", lambda *a, **k: made.append(Timer()) or made[-1])
+    d = load_descriptor("nvidia-h200")
+    plan = negotiate(_req(), d)
+    default = plan.value("launch.gemv_wq")
+    graph = type("G", (), {"meta": {"kernels": [{"family": "gemm"}]}, "find": lambda self, op: [1]})()
+    lines: list[str] = []
+    f = tuning_runner.tune(graph, plan, d, "cuda", batch=[1], families=["gemv_wq"], say=lines.append)
+    (entry,) = f.entries.values()
+    first = [c for c, whole in made[0].calls if not whole]
+    assert all(c["PDL_TRIGGER"] == default["PDL_TRIGGER"] for c in first)  # no trigger-only candidate in phase 1
+    assert entry["config"]["BLOCK_N"] == 8
+    if pdl_binaries:
+        assert [c["PDL_TRIGGER"] for c, whole in made[0].calls if whole] == [2, 1]
+        assert entry["config"]["PDL_TRIGGER"] == 2
+    else:
+        assert entry["config"]["PDL_TRIGGER"] == default["PDL_TRIGGER"]
+        assert any("PDL_TRIGGER not compared" in m for m in lines)
