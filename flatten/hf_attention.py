@@ -57,6 +57,12 @@ def _as_int(x: Any) -> int:
     return int(x) if x is not None else 0
 
 
+#: tensor keyword arguments models pass to AttentionInterface that do not change what attention computes here
+#: (positions and sequence boundaries: the attention op takes those from the run-time metadata)
+_HARMLESS_TENSOR_KWARGS = frozenset({"position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k",
+                                     "max_length_q", "max_length_k", "head_mask"})
+
+
 def portlayer_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -80,6 +86,12 @@ def portlayer_attention_forward(
         raise ValueError(
             f"{type(module).__name__} passed an explicit 4-D attention mask; portlayer builds masks from "
             "attention metadata at run time. Capture without attention_mask."
+        )
+    changes = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _HARMLESS_TENSOR_KWARGS)
+    if changes:  # e.g. GPT-OSS's attention sinks (s_aux): dropping them would change every output
+        raise ValueError(
+            f"{type(module).__name__} passes {', '.join(changes)} to its attention, which the attention op does "
+            "not take; capture is refused rather than leaving it out of the computation"
         )
     module._portlayer_attention_seen = True
     spec = attention_mask if isinstance(attention_mask, MaskSpec) else module.__dict__.get("_portlayer_mask")
@@ -105,7 +117,8 @@ def portlayer_attention_forward(
     out = torch.ops.portlayer.attention(
         q, k, v, float(scale), bool(causal), _as_int(window), float(cap or 0.0), int(layer)
     )
-    return out.reshape(1, t, query.shape[1], value.shape[-1]), None
+    # contiguous as HF's eager and sdpa outputs are: modeling code may .view() it (AFMoE)
+    return out.reshape(1, t, query.shape[1], value.shape[-1]).contiguous(), None
 
 
 def register() -> None:

@@ -126,3 +126,28 @@ def test_alibi_models_that_use_the_mask_as_a_tensor_are_refused_by_name(name):
     model = ALIBI[name]().eval()
     with pytest.raises(CaptureError, match=f"{type(model).__name__}'s attention does not go through .*ALiBi"):
         capture(model)
+
+
+def test_attention_inputs_the_op_does_not_take_refuse_the_capture():
+    """GPT-OSS passes its attention sinks (s_aux) to the attention function as a tensor keyword; the attention op
+    has no sinks, so leaving them out would change every output: refused by name, never captured silently wrong."""
+    torch.manual_seed(0)
+    model = T.GptOssForCausalLM(T.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                               sliding_window=8)).eval()
+    with pytest.raises(CaptureError, match="GptOssAttention passes s_aux to its attention"):
+        capture(model)
+
+
+def test_modeling_code_that_views_the_attention_output_is_captured_exactly():
+    """AFMoE .view()s the attention output as HF's eager/sdpa outputs allow (contiguous): the capture's output is
+    contiguous too, and the graph matches HF."""
+    torch.manual_seed(0)
+    model = T.AfmoeForCausalLM(T.AfmoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                             num_dense_layers=1)).eval()
+    g = capture(model)
+    ids = torch.randint(0, 128, (9,))
+    assert (interpret(g, ids) - _forward(model, ids)).abs().max().item() <= 1e-4
