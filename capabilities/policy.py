@@ -349,12 +349,18 @@ class _Negotiation:
     def _attention(self, smem: int, item: float, warps: Any, scale: str, hd: int) -> None:
         r, bd = self.r, _pow2_ceil(hd)
         group = max(1, r.num_heads // max(1, r.num_kv_heads))
-        bn = max(16, self.v.get("kv_block_size") or 16)
+        # a program reads BLOCK_N = TILE / BLOCK_D tokens a step (gathered through the block table, so any page
+        # size): a 16 KB K tile plus its V tile in flight; PROGRAMS per compute unit set a step's splits
+        tile = max(16 * bd, 16384 // max(1, int(item)) // bd * bd)
+        bn = tile // bd
         stage = int(2 * bn * bd * item)
         stages = _clamp(smem // max(stage, 1), 1, 3)
-        cfg = {"num_warps": warps(128), "BLOCK_H": max(16, _pow2_ceil(group)), "BLOCK_N": bn, "BLOCK_D": bd, "num_stages": stages}
+        cfg = {"num_warps": warps(128), "BLOCK_H": max(16, _pow2_ceil(group)), "TILE": tile, "BLOCK_D": bd,
+               "num_stages": stages, "PROGRAMS": 2}
         self.add("launch.attention_decode", cfg,
-                 f"one KV block ({bn} tokens) per step, GQA group {group} padded to >=16 rows for tl.dot; K+V tile {stage} B -> {stages} stages; 128 threads / {scale}")  # fmt: skip
+                 f"{bn} tokens a step (TILE {tile} / BLOCK_D {bd}), GQA group {group} padded to >=16 rows for tl.dot; "
+                 f"K+V tile {stage} B -> {stages} stages; splits per sequence until a step has 2 programs per "
+                 f"compute unit; 128 threads / {scale}")
         measured = self.d.tuning.get("attention_prefill_block_m")
         bm = int(measured) if measured else 128 if smem // int((128 * bd + 2 * 64 * bd) * item) >= 2 else 64
         stage = int((bm * bd + 2 * 64 * bd) * item)

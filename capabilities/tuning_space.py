@@ -3,7 +3,8 @@
 Small on purpose (a handful per family, the default first): warps scaled by the warp size and
 capped by threads per unit, pipeline stages within shared memory, GEMM tiles whose stages fit.
 Row kernels (norms, embedding, rope, KV write) keep their block sizes, which the kernel needs to
-cover a whole row; only their warps vary. Attention keeps its KV-block-sized BLOCK_N. The few-rows
+cover a whole row; only their warps vary. Prefill attention keeps its BLOCK_N; decode attention varies
+its tokens a step (TILE) and programs per unit (PROGRAMS: the splits). The few-rows
 GEMM (gemv) varies its W-tile budget and programs per unit, from which it derives its blocks; the quantized
 one without a norm (gemv_wq) its columns a program, its unrolled tiles and, where the device has programmatic
 dependent launch, when the next kernel may launch (PDL_TRIGGER).
@@ -56,6 +57,17 @@ def candidates(family: str, default: Mapping[str, int], descriptor: Any, dtype: 
                         if w * warp <= cu.max_threads_per_unit:
                             out.append({**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages, "num_warps": w})
                     break
+    elif family == "attention_decode" and {"TILE", "PROGRAMS", "num_stages"} <= set(base):
+        # a decode program streams one sequence's keys: the bytes a step has in flight (TILE, the K tile's elements;
+        # V's the same) and how many programs share the device (PROGRAMS per unit: the splits) decide it
+        t, p, w0, s0 = base["TILE"], base["PROGRAMS"], base["num_warps"], base["num_stages"]
+        bd = base.get("BLOCK_D", 128)
+        for c in ({"TILE": t * 2}, {"TILE": t // 2}, {"PROGRAMS": p * 2}, {"PROGRAMS": max(1, p // 2)},
+                  *({"num_warps": w} for w in _warps(w0, warp, cu.max_threads_per_unit) if w != w0),
+                  *({"num_stages": x} for x in (1, 2, 3) if x != s0)):
+            cand = {**base, **c}
+            if cand["TILE"] >= 16 * bd and cand["num_stages"] * 2 * cand["TILE"] * item <= smem:
+                out.append(cand)
     elif family.startswith("attention") and "num_stages" in base:
         bd, bn = base.get("BLOCK_D", 128), base.get("BLOCK_N", 64)
         stage = (base.get("BLOCK_M", 0) * bd + 2 * bn * bd) * item  # Q tile (prefill) + K and V tiles

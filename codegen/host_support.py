@@ -94,6 +94,17 @@ def gemv_blocks(rows: int, block_k: int, least: int = 32, tensor_cores: bool = F
     return bm, max(least, block_k // bm)
 
 
+def decode_splits(sequences: int, kv_heads: int, programs: int, most: int) -> int:
+    """KV splits per sequence for a decode-attention step: the smallest power of two whose programs
+    (sequences x KV heads x splits) reach ``programs`` (launch.attention_decode's PROGRAMS per compute unit), at most
+    ``most`` (the scratch's width). A function of the batch alone, so a captured graph's splits fit every replay;
+    with one split the kernel writes its output and no reduce runs (a full batch pays no partial results)."""
+    splits, have = 1, max(1, sequences) * max(1, kv_heads)
+    while splits < most and have * splits < programs:
+        splits *= 2
+    return splits
+
+
 def ref(op: str, inputs: Sequence[Any], attrs: Mapping[str, Any], st: StepState) -> list[torch.Tensor]:
     """Run one op's reference implementation (ops with no kernel template, and the CPU program)."""
     from portlayer.flatten.interpret import ExecContext

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portlayer.codegen.gemm_rule import merge_refusal
+from portlayer.codegen.host_support import decode_splits
+from portlayer.codegen.kernels.attention import max_splits
 from portlayer.flatten.ir import Graph, Node, TensorType, dtype_itemsize
 from portlayer.flatten.ops import get_op
 from portlayer.passes.cost_model_curves import Curves
@@ -188,7 +190,8 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
             else:
                 dev_us += curves.memory_us(nbytes)
             nbytes, flops, bound = nbytes + kv, flops + aflops, "attention"
-            if phase == "decode" and rec.get("impl") == "triton.paged_attention":
+            if phase == "decode" and rec.get("impl") == "triton.paged_attention" and _decode_splits(
+                    compute, types, plan, descriptor, batch) > 1:
                 # split-K decode attention: a second kernel (the reduce) merges the partial results; a calibrated
                 # generated-attention fit timed both kernels already (device time)
                 if not curves.generated_attention:
@@ -315,6 +318,19 @@ def _gemm_path(descriptor: Mapping[str, Any], rec: Mapping[str, Any], m: int, to
         start = int(tuning.get("wq_vendor_min_tokens", 0))
         return "vendor" if 0 < start <= m else "triton"
     return "triton" if m <= int(tuning.get("triton_gemm_max_tokens", 0)) else "vendor"
+
+
+def _decode_splits(nodes: list[Node], types: Mapping[str, TensorType], plan: Any, descriptor: Mapping[str, Any],
+                   batch: int) -> int:
+    """The KV splits the generated decode attention takes at this batch (the host's rule, on the Plan's
+    launch.attention_decode): one split runs no reduce kernel."""
+    cfg = _plan_value(plan, "launch.attention_decode", None) or {}
+    node = next((n for n in nodes if n.op == "attention"), None)
+    if node is None or "PROGRAMS" not in cfg:
+        return 2  # a program of another generation: it always reduced
+    hkv = int(types[node.inputs[1]].shape[1])
+    cu = int((descriptor.get("compute_units") or {}).get("count") or 1)
+    return decode_splits(batch, hkv, int(cfg["PROGRAMS"]) * cu, max_splits(cu, hkv))
 
 
 def _plan_value(plan: Any, name: str, default: Any) -> Any:

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_harness import build_program, paged_setup, reference, rel_err, tol, use_interpreter
+from triton_harness import (
+    build_program,
+    h200_few_sms,
+    paged_setup,
+    record_launches,
+    reference,
+    rel_err,
+    tol,
+    use_interpreter,
+)
 
 from portlayer.flatten.ir import GraphBuilder, TensorType
 
@@ -87,3 +96,52 @@ def test_negative_slots_are_not_written(tmp_path):
     prog.run(_feeds(4, 2, 2, 16, torch.float32), meta, caches)
     untouched = int(meta.block_tables[0, 0]) * 16 + 1
     assert torch.equal(caches[0][0].view(-1, 2, 16)[untouched], kc.view(-1, 2, 16)[untouched])
+
+
+def _decode_cfg(d: int, tokens: int, programs: int) -> dict[str, int]:
+    return {"num_warps": 2, "num_stages": 1, "BLOCK_H": 16, "TILE": tokens * d, "BLOCK_D": d, "PROGRAMS": programs}
+
+
+SPLIT_CASES = [
+    # (descriptor, PROGRAMS, decode sequences' cached tokens, splits the step takes, GQA heads, attrs)
+    # 3 sequences x 2 KV heads = 6 programs >= 4 SMs x 1: one split, the kernel writes the output (no reduce)
+    pytest.param("4sm", 1, [40, 3, 70], 1, {}, id="one-split-writes-the-output"),
+    # 40 x 2 = 80 programs, 132 SMs: two of the scratch's 16 splits (the reduce reads only the two)
+    pytest.param("h200", 1, [(7 * i) % 45 for i in range(40)], 2, {}, id="two-of-sixteen-splits"),
+    # 3 x 2 programs against 264: every split the scratch holds; the short sequence leaves most of them empty
+    pytest.param("h200", 2, [40, 0, 70], 16, {}, id="all-splits-some-empty"),
+    # a window: the tiles before it are not read, and the split ranges cover only the window's tiles
+    pytest.param("h200", 2, [90, 5, 61], 16, {"sliding_window": 20}, id="window-all-splits"),
+    pytest.param("4sm", 1, [90, 5, 61], 1, {"sliding_window": 20}, id="window-one-split"),
+]
+
+
+@pytest.mark.parametrize("block_size,tokens", [(16, 16), (8, 64), (32, 16), (16, 64)])
+@pytest.mark.parametrize("target,programs,cached,splits,attrs", SPLIT_CASES)
+def test_decode_attention_splits_and_pages(tmp_path, monkeypatch, target, programs, cached, splits, attrs,
+                                           block_size, tokens):
+    """The split-K decode kernel at the splits a step's batch asks for (host_support.decode_splits), with steps of
+    BLOCK_N tokens gathered through the block table across pages smaller and larger than a step: against the
+    reference op, and the reduce launched exactly when the step split."""
+    hq, hkv, d, dtype = 4, 2, 16, torch.float32
+    graph = _graph(dtype, hq, hkv, d, **attrs)
+    seqs = [(c, 1) for c in cached]
+    blocks = sum(-(-(c + 1) // block_size) for c in cached) + 2
+    meta, kc, vc = paged_setup(seqs, hkv, d, dtype, block_size=block_size, num_blocks=blocks, seed=len(seqs))
+    feeds = _feeds(len(seqs), hq, hkv, d, dtype)
+    desc = str(h200_few_sms(tmp_path)) if target == "4sm" else "nvidia-h200"
+    launches: list[str] = []
+    record_launches(monkeypatch, launches)
+    _, prog = build_program(graph, tmp_path / "p", target=desc, max_seqs=64,
+                            launch={"attention_decode": _decode_cfg(d, tokens, programs)})
+    ours_caches, ref_caches = [(kc.clone(), vc.clone())], [(kc.clone(), vc.clone())]
+    (ours,) = prog.run(feeds, meta, ours_caches)
+    (want,) = reference(graph, feeds, meta, ref_caches)
+    assert rel_err(ours, want) <= tol(dtype)
+    reduces = [n for n in launches if n.startswith("attn_decode") and n.endswith("_reduce")]
+    decodes = [n for n in launches if n.startswith("attn_decode") and not n.endswith("_reduce")]
+    assert len(decodes) == 1 and len(reduces) == (0 if splits == 1 else 1), launches
+    from portlayer.codegen.host_support import decode_splits
+
+    cus = 4 if target == "4sm" else 132
+    assert decode_splits(len(seqs), hkv, programs * cus, 16 if target == "h200" else 2) == splits

@@ -129,8 +129,11 @@ def test_candidates_stay_inside_what_the_descriptor_allows(target):
             assert c["num_warps"] * d.warp_size <= min(1024, d.compute_units.max_threads_per_unit)
             if dec.name == "launch.gemm" and c != dec.value:
                 assert c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item <= smem
-            if dec.name.startswith("launch.attention"):
+            if dec.name == "launch.attention_prefill":
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
+            if dec.name == "launch.attention_decode":  # whole tl.dot tiles, K + V stages within shared memory
+                assert c["TILE"] >= 16 * c["BLOCK_D"] and c["BLOCK_D"] == dec.value["BLOCK_D"]
+                assert c == dec.value or c["num_stages"] * 2 * c["TILE"] * item <= smem
             if dec.name in ("launch.reduction", "launch.embedding"):
                 assert c["BLOCK_N"] == dec.value["BLOCK_N"]  # a row kernel covers its whole row
             if dec.name == "launch.gemv_wq":  # PDL_TRIGGER is 1 or 2, and only varies where the device has PDL

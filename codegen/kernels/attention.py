@@ -12,9 +12,21 @@ from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
 
 
+def max_splits(compute_units: int, num_kv_heads: int) -> int:
+    """The most KV splits a decode sequence may take (the scratch's width): enough programs to cover the compute
+    units at batch 1. A step takes fewer (host_support.decode_splits) when its sequences fill the device."""
+    return max(1, min(16, pow2(max(1, compute_units // max(1, num_kv_heads)))))
+
+
 def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
-    """KV splits per decode sequence: enough programs to cover the compute units at batch 1."""
-    return max(1, min(16, pow2(max(1, ctx.compute_units // max(1, num_kv_heads)))))
+    """max_splits for this program's device."""
+    return max_splits(ctx.compute_units, num_kv_heads)
+
+
+def decode_block_n(cfg: dict[str, Any], block_d: int) -> int:
+    """Tokens a decode-attention program reads a step: launch.attention_decode's TILE (elements of its K tile) over
+    the head's padded width, a power of two in [16, 256] (16: tl.dot's smallest tile)."""
+    return max(16, min(256, pow2(max(1, int(cfg["TILE"]) // block_d) + 1) // 2))
 
 
 def _common(ctx: GenContext, node) -> dict[str, Any]:
@@ -59,13 +71,14 @@ def build_decode(ctx: GenContext, node):
     cfg = ctx.cfg("attention_decode")
     splits = num_splits(ctx, c["HKV"])
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
-    const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits,
-                 WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
+    const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]),
+                 BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits, WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
     kv = c["kv_dtype"]
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_cache_ptr", ptr(kv)), Param("v_cache_ptr", ptr(kv)),
               Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32"), Param("query_start_ptr", "*i32"),
               Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
-              Param("seq_offset", "i32"), Param("bt_stride", "i32"), Param("scale", "fp32")]
+              Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"), Param("bt_stride", "i32"),
+              Param("num_splits", "i32"), Param("scale", "fp32")]
     params += [Param(k, "constexpr") for k in const]
     spec = make_kernel("triton/attention_decode.py.j2", "attn_decode", short_dtype(c["dtype"]), params, const,
                        cfg["num_warps"], cfg["num_stages"], doc="Split-K paged decode attention.",
@@ -73,7 +86,8 @@ def build_decode(ctx: GenContext, node):
                        dot_args=dot_args(c["dtype"]))
     reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "NUM_SPLITS": splits}
     reduce_params = [Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
-                     Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32")]
+                     Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"),
+                     Param("num_splits", "i32")]
     reduce_params += [Param(k, "constexpr") for k in reduce_const]
     from portlayer.codegen.spec import KernelSpec
 
@@ -81,6 +95,28 @@ def build_decode(ctx: GenContext, node):
                         params=reduce_params, constexprs=reduce_const, num_warps=cfg["num_warps"],
                         doc="Merge of the split-K partial results.", extra={"module": spec.name})
     return spec, reduce, const, c, cfg
+
+
+def decode_lines(ctx: GenContext, dec, red, kconst: dict[str, Any], kcfg: dict[str, Any], q: str, k_cache: str,
+                 v_cache: str, out: str, kv_heads: int, q_heads: int, scale: str) -> list[str]:
+    """The host lines of a step's decode attention (indented under ``if st.num_decodes:``): the splits for this
+    many sequences (launch.attention_decode's PROGRAMS per compute unit, at most NUM_SPLITS; a CUDA graph of a
+    batch replays the splits it was captured with), the split-K kernel, and its reduce when it split."""
+    target = int(kcfg["PROGRAMS"]) * max(1, ctx.compute_units)
+    consts = ", ".join(f"{k}={v!r}" for k, v in kconst.items() if k != "BLOCK_SIZE")
+    rconsts = ", ".join(f"{k}={v!r}" for k, v in red.constexprs.items())
+    return [
+        f"        kv_splits = decode_splits(st.num_decodes, {kv_heads}, {target}, {kconst['NUM_SPLITS']})",
+        f"        K.{dec.name}[(st.num_decodes, {kv_heads}, kv_splits)](",
+        f"            {q}, {k_cache}, {v_cache}, st.block_tables, st.seq_lens, st.query_start_loc,",
+        f"            self.part_out, self.part_max, self.part_sum, {out}, st.num_prefills, st.bt_stride, kv_splits, {scale},",
+        f"            {consts}, BLOCK_SIZE=st.block_size,",
+        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
+        "        if kv_splits > 1:",
+        f"            K.{red.name}[(st.num_decodes, {q_heads})](",
+        f"                self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills, kv_splits,",
+        f"                {rconsts}, num_warps={kcfg['num_warps']})",
+    ]
 
 
 def build_cache_write(ctx: GenContext, node):
@@ -127,14 +163,7 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
         f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
         "    if st.num_decodes:",
-        f"        K.{dec.name}[(st.num_decodes, {c['HKV']}, {kconst['NUM_SPLITS']})](",
-        f"            {q}, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,",
-        f"            self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, {s},",
-        f"            {consts(kconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
-        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
-        f"        K.{red.name}[(st.num_decodes, {c['HQ']})](",
-        f"            self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills,",
-        f"            {consts(red.constexprs)}, num_warps={kcfg['num_warps']})",
+        *decode_lines(ctx, dec, red, kconst, kcfg, q, "k_cache", "v_cache", out, c["HKV"], c["HQ"], s),
         "else:",
         f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {c['HQ']})](",
         f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {consts(dconst)},",

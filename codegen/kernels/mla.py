@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from portlayer.codegen.kernels.attention import build_cache_write, build_decode, build_prefill
+from portlayer.codegen.kernels.attention import build_cache_write, build_decode, build_prefill, decode_lines
 from portlayer.codegen.kernels.context import GenContext
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Node, TensorType, Value
@@ -72,14 +72,7 @@ def lower_mla(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
         f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
         "    if st.num_decodes:",
-        f"        K.{dec.name}[(st.num_decodes, 1, {kconst['NUM_SPLITS']})](",
-        "            mla_q, k_cache, k_cache, st.block_tables, st.seq_lens, st.query_start_loc,",
-        f"            self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, {s},",
-        f"            {consts(kconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
-        f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
-        f"        K.{red.name}[(st.num_decodes, {h})](",
-        "            self.part_out, self.part_max, self.part_sum, st.query_start_loc, mla_o, st.num_prefills,",
-        f"            {consts(red.constexprs)}, num_warps={kcfg['num_warps']})",
+        *decode_lines(ctx, dec, red, kconst, kcfg, "mla_q", "k_cache", "k_cache", "mla_o", 1, h, s),
         "else:",
         f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {h})](",
         f"        mla_q, mla_e, mla_e, mla_o, st.query_start_loc, {s}, {consts(dconst)},",

@@ -12,12 +12,12 @@ P is the layer's weights, B its buffers (per-layer namespaces built from program
 import torch
 import triton
 
-from portlayer.codegen.host_support import HostProgram, W_T, gemm_block_m, gemv_blocks, ref  # noqa: F401
+from portlayer.codegen.host_support import HostProgram, W_T, decode_splits, gemm_block_m, gemv_blocks, ref  # noqa: F401
 
 
 class Program(HostProgram):
     KERNELS = (
-        "attn_decode_bf16_df4006",
+        "attn_decode_bf16_95064f",
         "attn_prefill_dense_bf16_9f0a57",
         "attn_prefill_paged_bf16_482e53",
         "embedding_bf16_1cf359",
@@ -86,14 +86,16 @@ class Program(HostProgram):
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                K.attn_decode_bf16_df4006[(st.num_decodes, 2, 16)](
+                kv_splits = decode_splits(st.num_decodes, 2, 264, 16)
+                K.attn_decode_bf16_95064f[(st.num_decodes, 2, kv_splits)](
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
-                    self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
-                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    self.part_out, self.part_max, self.part_sum, l0_self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=2)
-                K.attn_decode_bf16_df4006_reduce[(st.num_decodes, 4)](
-                    self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills,
-                    HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
+                if kv_splits > 1:
+                    K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
+                        self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills, kv_splits,
+                        HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
             K.attn_prefill_dense_bf16_9f0a57[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 l0_self_attn_rope, l0_self_attn_rope_1, l0_self_attn_reshape_2, l0_self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
@@ -188,14 +190,16 @@ class Program(HostProgram):
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
-                K.attn_decode_bf16_df4006[(st.num_decodes, 2, 16)](
+                kv_splits = decode_splits(st.num_decodes, 2, 264, 16)
+                K.attn_decode_bf16_95064f[(st.num_decodes, 2, kv_splits)](
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
-                    self.part_out, self.part_max, self.part_sum, st.num_prefills, st.bt_stride, 0.25,
-                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
+                    self.part_out, self.part_max, self.part_sum, self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
+                    HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=2)
-                K.attn_decode_bf16_df4006_reduce[(st.num_decodes, 4)](
-                    self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills,
-                    HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
+                if kv_splits > 1:
+                    K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
+                        self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills, kv_splits,
+                        HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
             K.attn_prefill_dense_bf16_9f0a57[(triton.cdiv(st.max_query_len, 64), st.num_seqs, 4)](
                 self_attn_rope, self_attn_rope_1, self_attn_reshape_2, self_attn_attention, st.query_start_loc, 0.25, HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0,
