@@ -91,7 +91,7 @@ class Program(HostProgram):
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, l0_self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=2, num_stages=2)
+                    num_warps=2, num_stages=3)
                 if kv_splits > 1:
                     K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
                         self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills, kv_splits,
@@ -195,7 +195,7 @@ class Program(HostProgram):
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
-                    num_warps=2, num_stages=2)
+                    num_warps=2, num_stages=3)
                 if kv_splits > 1:
                     K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
                         self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills, kv_splits,
