@@ -321,8 +321,11 @@ def measure_generated_attention(pipeline: Callable[..., Any], dev: torch.device,
         def run(ins: list[torch.Tensor], ctx: Any) -> Any:
             return prog.run(dict(zip(("q", "k", "v"), ins)), ctx.attn_metadata, ctx.kv_cache)
 
+        from portlayer.codegen.host_support import kv_cache_dtype
+
         got = measure_paged_attention(dev, sizes, progress, dtype, run=run,
-                                      label="generated split-K decode attention + reduce", graphed=True)
+                                      label="generated split-K decode attention + reduce", graphed=True,
+                                      cache_dtype=kv_cache_dtype(prog))
         progress.start("host cost of a replayed decode step, waited for (1 and 16 layers; batch 1 and the largest)")
         step = measure_graph_step(pipeline, dev, sizes, desc, dtype, tmp)
         progress.done("not measured: the plan captures no CUDA graphs" if step is None else
@@ -409,7 +412,7 @@ def measure_graph_step(pipeline: Callable[..., Any], dev: torch.device, sizes: S
         with torch.inference_mode():
             steps = {}
             for batch in sorted({1, top}):
-                _, ctx, _ = paged_case(batch, context, sizes.attn_heads, dtype, dev)
+                _, ctx, _ = paged_case(batch, context, sizes.attn_heads, dtype, dev, prog.kv_dtype)
                 caches = [ctx.kv_cache[0]] + [tuple(torch.zeros_like(c) for c in ctx.kv_cache[0])
                                               for _ in range(n_layers - 1)]
                 md = ctx.attn_metadata

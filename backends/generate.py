@@ -54,7 +54,8 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
                       gemv_dot_max_tokens=gemv_dot_max_tokens(descriptor) if "gemv" in launch else 0,
                       gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
                       wq_vendor_min_tokens=wq_vendor_min_tokens(descriptor) if descriptor.codegen == "triton" else 0,
-                      shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes)
+                      shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes,
+                      kv_dtype=getattr(plan, "kv_cache_dtype", None) if plan is not None else None)
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,

@@ -178,7 +178,7 @@ class StepTimer:
         self.graph, self.plan, self.descriptor = graph, plan, descriptor
         self.device = torch.device(device)
         self.iters, self.workdir, self.n = iters, workdir, 0
-        dtype = getattr(torch, str(plan.compute_dtype))
+        dtype = getattr(torch, str(plan.kv_cache_dtype or plan.compute_dtype))  # the caches the program reads
         block = int(plan.kv_block_size or 16)
         batches = [batch] if isinstance(batch, int) else list(batch)
         self.steps = [_step_inputs(graph, [1] * b, [context] * b, block, dtype, self.device) for b in batches]

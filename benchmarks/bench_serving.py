@@ -77,7 +77,7 @@ def make_engine(args: argparse.Namespace, timings: dict[str, float]) -> tuple[An
         t0 = time.perf_counter()
         out = args.artifact_out or os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "artifact")
         portlayer.compile(model, target=args.compile_target, output=out, progress=False, quantize=args.quantize,
-                          calibration_device=args.calibration_device)
+                          calibration_device=args.calibration_device, kv_cache_dtype=args.kv_cache_dtype)
         timings["compile_s"] = time.perf_counter() - t0
         del model
         args.artifact = out
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --compile-target: weight-only quantization of the compiled artifact")
     p.add_argument("--calibration-device", default=None,
                    help="with --quantize: where the quantize pass calibrates and the quality gate runs (e.g. cuda)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="with --compile-target: the KV cache's element type (default: the Plan's pick)")
     p.add_argument("--artifact-out", default=None, help="with --compile-target: write the artifact here (to validate it later)")
     p.add_argument("--descriptor", default=None, help="descriptor for the plan (default: the backend's probed one)")
     p.add_argument("--layers", type=int, default=28)

@@ -23,13 +23,14 @@ BLOCK = 16
 
 
 def paged_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype,
-               device: torch.device) -> tuple[list[torch.Tensor], Any, int]:
-    """q/k/v of one decode token per sequence, a paged cache of ``context`` tokens each, and the KV bytes read."""
+               device: torch.device, cache_dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any, int]:
+    """q/k/v of one decode token per sequence, a paged cache of ``context`` tokens each (in ``cache_dtype``, default
+    ``dtype``: what the timed program's attention reads), and the KV bytes read."""
     hq, hkv, d = heads
     per = (context + 1 + BLOCK - 1) // BLOCK
     g = torch.Generator().manual_seed(0)
-    kc = torch.randn(batch * per, BLOCK, hkv, d, generator=g).to(device=device, dtype=dtype)
-    vc = torch.randn(batch * per, BLOCK, hkv, d, generator=g).to(device=device, dtype=dtype)
+    kc = torch.randn(batch * per, BLOCK, hkv, d, generator=g).to(device=device, dtype=cache_dtype or dtype)
+    vc = torch.randn(batch * per, BLOCK, hkv, d, generator=g).to(device=device, dtype=cache_dtype or dtype)
     q = torch.randn(batch, hq, d, generator=g).to(device=device, dtype=dtype)
     k = torch.randn(batch, hkv, d, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(batch, hkv, d, generator=g).to(device=device, dtype=dtype)
@@ -68,7 +69,8 @@ def fit(points: list[dict[str, Any]]) -> dict[str, float]:
 
 def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progress, dtype: torch.dtype,
                             run: Callable[[list[torch.Tensor], Any], Any] | None = None,
-                            label: str = "torch attention op", graphed: bool = False) -> dict[str, Any]:
+                            label: str = "torch attention op", graphed: bool = False,
+                            cache_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Decode attention over a paged cache at ``sizes.attn_points``; the points and their fit.
     ``graphed``: timed from a replayed CUDA graph where capture works (device time, as a decode step runs)."""
     run = run or _reference_runner(sizes.attn_heads)
@@ -76,7 +78,7 @@ def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progre
     progress.start(f"paged attention ({label}) at (batch, context) {list(sizes.attn_points)}")
     with torch.inference_mode():
         for batch, context in sizes.attn_points:
-            ins, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, device)
+            ins, ctx, kv_bytes = paged_case(batch, context, sizes.attn_heads, dtype, device, cache_dtype)
             fn = lambda ins=ins, ctx=ctx: run(ins, ctx)  # noqa: E731
             t = measure_s(fn, device, sizes, 2 * sizes.budget_s, 200, graphed=graphed)
             points.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "us": sig(t * 1e6),
@@ -84,4 +86,5 @@ def measure_paged_attention(device: torch.device, sizes: Sizes, progress: Progre
     f = fit(points)
     progress.done(f"{f['gbps']:g} GB/s of KV, {f['per_seq_us']:g} us per sequence, {f['fixed_us']:g} us fixed")
     return {"kernel": label, "heads": list(sizes.attn_heads), "block_size": BLOCK,
-            "dtype": str(dtype).removeprefix("torch."), "points": points, **f}
+            "dtype": str(dtype).removeprefix("torch."),
+            "cache_dtype": str(cache_dtype or dtype).removeprefix("torch."), "points": points, **f}

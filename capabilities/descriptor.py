@@ -247,6 +247,7 @@ class Descriptor:
     vendor_ops: Mapping[str, str]
     preferred_dtypes: tuple[str, ...]
     kv_block_sizes: tuple[int, ...]
+    kv_cache_dtypes: tuple[str, ...]
     max_head_dim: int | None
     origin: str
     sha256: str
@@ -320,6 +321,7 @@ class Descriptor:
             vendor_ops=MappingProxyType(dict(raw.get("vendor_ops", {}))),
             preferred_dtypes=tuple(raw.get("preferred_dtypes", ())),
             kv_block_sizes=tuple(raw.get("kv_cache", {}).get("block_sizes", ())),
+            kv_cache_dtypes=tuple(raw.get("kv_cache", {}).get("dtypes", ())),
             max_head_dim=raw.get("kv_cache", {}).get("max_head_dim"),
             origin=origin,
             sha256=hashlib.sha256(canonical.encode()).hexdigest(),

@@ -18,7 +18,8 @@ LAUNCH_FAMILIES = (
     "pointwise", "reduction", "rope", "gemm", "attention_decode", "attention_prefill", "embedding",
     "reshape_and_cache", "gemv", "gemv_wq", "dequant",
 )  # fmt: skip
-OVERRIDABLE = ("compute_dtype", "weight_quantization", "kv_block_size", "prefill_chunk_size", "max_batched_tokens")
+OVERRIDABLE = ("compute_dtype", "weight_quantization", "kv_cache_dtype", "kv_block_size", "prefill_chunk_size",
+               "max_batched_tokens")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,14 @@ class Plan:
     @property
     def buffer_alignment(self) -> int:
         return self.value("buffer_alignment")
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV cache's element type (None: no cache; a Plan from before this decision: the compute dtype)."""
+        try:
+            return self.value("kv_cache_dtype")
+        except KeyError:
+            return self.compute_dtype
 
     @property
     def kv_block_size(self) -> int | None:

@@ -170,12 +170,29 @@ class _Negotiation:
         a = self.d.memory.alignment_bytes
         self.add("buffer_alignment", a, f"memory.alignment_bytes = {a} ({self.d.source('memory.alignment_bytes')})")
 
+    def kv_cache_dtype(self) -> None:
+        r, d, dt = self.r, self.d, self.v["compute_dtype"]
+        if not r.needs_kv_cache:
+            self.add("kv_cache_dtype", None, f"task {r.task!r} keeps no KV cache")
+            return
+        fp8 = [x for x in d.kv_cache_dtypes if x.startswith("float8")]
+        if fp8 and d.codegen == "triton" and dt in ("bfloat16", "float16"):
+            self.add("kv_cache_dtype", fp8[0],
+                     f"the device's paged-attention kernels read {fp8[0]} caches ({d.source('kv_cache.dtypes')}): half "
+                     f"the bytes of {dt} per cached token, and decode attention reads every cached token each step; "
+                     "values are rounded to e4m3 (ties to even, saturated at +-448) as they are written, an error "
+                     "`portlayer validate` bounds (KV_RTOL); --kv-cache-dtype " + dt + " keeps the compute dtype")
+            return
+        why = ("the compute dtype" if not fp8 else
+               f"the compute dtype ({dt}: the narrower {fp8[0]} cache is read only by Triton kernels at 16-bit compute)")
+        self.add("kv_cache_dtype", dt, why)
+
     def kv_block_size(self) -> None:
         r, d = self.r, self.d
         if not r.needs_kv_cache:
             self.add("kv_block_size", None, f"task {r.task!r} keeps no KV cache")
             return
-        per_layer = int(r.kv_bytes_per_token_per_layer / r.itemsize * ITEMSIZE[self.v["compute_dtype"]])
+        per_layer = int(r.kv_bytes_per_token_per_layer / r.itemsize * ITEMSIZE[self.v["kv_cache_dtype"]])
         note = ""
         if d.max_head_dim and max(r.head_dims or (0,)) > d.max_head_dim:
             note = f"; head_dim {max(r.head_dims)} > the device kernel limit {d.max_head_dim}: attention uses the fallback"
@@ -252,12 +269,13 @@ class _Negotiation:
                 "(--quantization int8) or pick a larger device"
             )
         self.add("kv_cache_budget_bytes", budget, why)
-        per_tok = r.kv_bytes_per_token_at(dt)
+        per_tok = r.kv_bytes_per_token_at(self.v["kv_cache_dtype"] or dt)
         if self.v.get("tensor_parallel", 1) > 1:  # this rank's KV heads only
             from portlayer.capabilities.tp_degree import kv_heads_per_rank
 
             per_tok = per_tok * kv_heads_per_rank(r, self.v["tensor_parallel"]) // max(1, r.num_kv_heads)
-        self.add("max_kv_tokens", budget // per_tok, f"{_gib(budget)} / {per_tok} B per token ({r.num_layers} layers)")
+        self.add("max_kv_tokens", budget // per_tok,
+                 f"{_gib(budget)} / {per_tok} B per token ({r.num_layers} layers, {self.v['kv_cache_dtype']})")
 
     def max_num_seqs(self) -> None:
         kv_tokens, bs = self.v["max_kv_tokens"], self.v["kv_block_size"]
@@ -403,9 +421,11 @@ def negotiate(
         raise PlanError(f"--dtype {bad_dtype!r} is not a compute dtype; use float32, bfloat16 or float16")
     if overrides.get("weight_quantization", "none") not in ("none", "int8", "int4", "native"):
         raise PlanError(f"quantization {overrides['weight_quantization']!r} unknown; use none, int8, int4 or native")
+    _check_kv_cache_dtype(overrides.get("kv_cache_dtype"), desc)
     n = _Negotiation(requirements, desc, overrides, quality)
     for step in (
-        n.compute_dtype, n.tensor_parallel, n.weight_quantization, n.buffer_alignment, n.kv_block_size, n.prefill_chunk_size,
+        n.compute_dtype, n.tensor_parallel, n.weight_quantization, n.buffer_alignment, n.kv_cache_dtype, n.kv_block_size,
+        n.prefill_chunk_size,
         n.max_batched_tokens, n.kv_cache_budget, n.max_num_seqs, n.graph_capture_sizes, n.launch_configs,
         n.max_fused_inputs,
     ):  # fmt: skip
@@ -418,6 +438,21 @@ def negotiate(
         overrides=overrides,
         inputs={"requirements": requirements.to_json(), "descriptor": desc.raw, **({"quality": dict(quality)} if quality else {})},
     )
+
+
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+
+
+def _check_kv_cache_dtype(kv: Any, desc: Descriptor) -> None:
+    """An asked-for KV cache dtype the target's kernels can read, or a PlanError saying what to ask for."""
+    if kv is None:
+        return
+    if kv not in KV_CACHE_DTYPES:
+        raise PlanError(f"--kv-cache-dtype {kv!r} is not a KV cache dtype; use one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv.startswith("float8") and desc.codegen != "torch" and kv not in desc.kv_cache_dtypes:
+        raise PlanError(f"--kv-cache-dtype {kv}: the {desc.name} descriptor's paged-attention kernels do not read "
+                        f"{kv} caches (its kv_cache.dtypes: {list(desc.kv_cache_dtypes) or 'none'}); use the compute "
+                        "dtype, or a descriptor that lists it")
 
 
 def plan_for_graph(graph: Any, descriptor: Descriptor | str, overrides: Mapping[str, Any] | None = None,

@@ -66,7 +66,7 @@ def buffer_table(graph: Graph) -> dict[str, Any]:
 
 
 def program_layout(graph: Graph, buffers: Mapping[str, Any], methods: Sequence[Any],
-                   merged: Mapping[str, list[str]] | None = None) -> dict[str, Any]:
+                   merged: Mapping[str, list[str]] | None = None, kv_cache_dtype: str | None = None) -> dict[str, Any]:
     """program.json: what the host program allocates and binds, kept out of host.py so the program's
     text does not grow with the model's depth (weights, arena buffers, per-layer namespaces, and the
     weights it concatenates when it loads)."""
@@ -77,6 +77,8 @@ def program_layout(graph: Graph, buffers: Mapping[str, Any], methods: Sequence[A
                        "buffers": m.buffers} for m in methods]}
     if merged:
         out["merged_weights"] = {k: list(v) for k, v in merged.items()}
+    if kv_cache_dtype and graph.find("attention") + graph.find("mla_attention"):
+        out["kv_cache_dtype"] = kv_cache_dtype  # the element type its attention kernels read and write the cache in
     return out
 
 
@@ -148,7 +150,7 @@ def generate_program(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: 
     blocks = _group_blocks(graph, ctx, lower, view_lower, buffered, out)
     prog = (fold_layers(blocks, list(graph.outputs), buffered, set(graph.params) | set(out.merged)) if fold
             else straight_line(blocks, list(graph.outputs)))
-    out.layout = program_layout(graph, table, prog.methods, out.merged)
+    out.layout = program_layout(graph, table, prog.methods, out.merged, ctx.kv_dtype)
     out.host = render(
         TEMPLATES[family], model=graph.meta.get("model_type", "model"), target=target, n_groups=len(blocks),
         kernels=sorted(out.kernel_sources()), inputs=[v.name for v in graph.inputs], outputs=prog.outputs,

@@ -94,6 +94,12 @@ def gemv_blocks(rows: int, block_k: int, least: int = 32, tensor_cores: bool = F
     return bm, max(least, block_k // bm)
 
 
+def kv_cache_dtype(executable: Any) -> torch.dtype:
+    """The element type an executable's attention reads its paged KV cache in: a generated program's
+    (program.json kv_cache_dtype, the Plan's decision), else its compute dtype (the reference executable)."""
+    return getattr(executable, "kv_dtype", None) or executable.dtype
+
+
 def decode_splits(sequences: int, kv_heads: int, programs: int, most: int) -> int:
     """KV splits per sequence for a decode-attention step: the smallest power of two whose programs
     (sequences x KV heads x splits) reach ``programs`` (launch.attention_decode's PROGRAMS per compute unit), at most
@@ -210,6 +216,8 @@ class HostProgram:
         concatenate_weights(self.W, layout.get("merged_weights") or {})
         floats = [torch_dtype(d) for d in dtypes.values() if d.startswith(("float", "bfloat"))]
         self.dtype = floats[0] if floats else torch.float32
+        # the KV cache's element type the attention kernels were generated for (Plan kv_cache_dtype)
+        self.kv_dtype = torch_dtype(layout["kv_cache_dtype"]) if layout.get("kv_cache_dtype") else self.dtype
         if kernels is not None:
             self.K = kernels
         else:
@@ -282,6 +290,10 @@ class HostProgram:
     def run(self, feeds: Mapping[str, torch.Tensor], attn_metadata: AttentionMetadata | None,
             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> list[torch.Tensor]:
         """The Executable interface: outputs for one step (the caller owns them)."""
+        if kv_caches and kv_caches[0][0].dtype != self.kv_dtype:  # the kernels would read the bytes as their own type
+            raise TypeError(f"host program: KV caches of {kv_caches[0][0].dtype}, but its attention kernels read "
+                            f"{self.kv_dtype} caches (program.json kv_cache_dtype); allocate them with "
+                            "host_support.kv_cache_dtype(executable)")
         if self.INPUTS and feeds[self.INPUTS[0]].dim():
             T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
         else:  # a graph without a token-stream input: the step's size comes from its metadata

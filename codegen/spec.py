@@ -14,7 +14,7 @@ from typing import Any
 #: Flat IR dtype -> Triton pointer element / tl dtype spelling.
 TRITON_DTYPE = {
     "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
-    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
 }  # fmt: skip
 TL_DTYPE = {
     "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "int64": "tl.int64",

@@ -110,15 +110,16 @@ def _gemms(nodes: list[Node], types: Mapping[str, TensorType], b: Mapping[str, i
 
 
 def _attention(nodes: list[Node], types: Mapping[str, TensorType], phase: str, batch: int, context: int,
-               tokens: int) -> tuple[int, int, str, int] | None:
-    """(KV bytes read, FLOPs, cache dtype, float32 score bytes a torch-op implementation materialises)."""
+               tokens: int, cache_dtype: str | None = None) -> tuple[int, int, str, int] | None:
+    """(KV bytes read, FLOPs, cache dtype, float32 score bytes a torch-op implementation materialises);
+    ``cache_dtype``: the Plan's kv_cache_dtype (default the K/V values' own)."""
     for n in nodes:
         if n.op != "attention":
             continue
         k, v = types[n.inputs[1]], types[n.inputs[2]]
         hq, hkv = int(n.attrs.get("num_heads", 1)), int(k.shape[1])
         dk, dv = int(k.shape[2]), int(v.shape[2])
-        item = dtype_itemsize(k.dtype)
+        item = dtype_itemsize(cache_dtype or k.dtype)
         if phase == "decode":
             kv = batch * (context + 1) * hkv * (dk + dv) * item
             flops = 2 * batch * (context + 1) * hq * (dk + dv)
@@ -153,6 +154,7 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     types = graph.value_types()
     by_name = {n.name: n for n in graph.nodes}
     dtype = str(_plan_value(plan, "compute_dtype", "float32"))
+    kv_dtype = _plan_value(plan, "kv_cache_dtype", None)
     torch_family = descriptor.get("codegen") == "torch"
     sizes = _plan_value(plan, "graph_capture_sizes", []) or []
     graphs = phase == "decode" and not torch_family and any(int(s) >= batch for s in sizes)
@@ -177,7 +179,7 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         nbytes, flops = _group_traffic(rec, compute, graph, types, b)
         n_launch = len(compute) if torch_family or rec.get("family") == "torch" else 1
         launches += n_launch
-        attn = _attention(compute, types, phase, batch, context, new_tokens)
+        attn = _attention(compute, types, phase, batch, context, new_tokens, kv_dtype)
         gemms = _gemms(compute, types, b)
         launch_us = n_launch * per_launch
         if attn is not None:

@@ -65,6 +65,16 @@ def _options(dtype: str | torch.dtype | None, quantize: str | None, strict: bool
     return {"dtype": d, "quantize": quantize, **({"strict": True} if strict else {})}
 
 
+def _kv_cache_dtype(value: str | torch.dtype) -> str:
+    from portlayer.capabilities.policy import KV_CACHE_DTYPES
+
+    key = str(value).removeprefix("torch.")
+    key = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
+    if key not in KV_CACHE_DTYPES:
+        raise CompileError(f"--kv-cache-dtype {value!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return key
+
+
 def _calibration_device(value: str) -> str:
     """A torch device string this process can use for the quantize pass's calibration and the quality gate."""
     import torch
@@ -104,6 +114,7 @@ def compile(  # noqa: A001 - the public name users expect
     tensor_parallel: int | str | None = None,
     sources_only: bool | None = None,
     calibration_device: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Artifact:
     """Compile ``model`` for ``target`` into an artifact directory (``output``, else the cache).
 
@@ -113,7 +124,8 @@ def compile(  # noqa: A001 - the public name users expect
     targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
     ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). ``calibration_device``: where an int8/int4 compile
     runs its calibration and quality gate (default cpu; "cuda" on a GPU host, where a big model's calibration on
-    the CPU takes minutes; docs/quantization.md).
+    the CPU takes minutes; docs/quantization.md). ``kv_cache_dtype``: the KV cache's element type instead of the
+    Plan's pick (float8_e4m3fn where the descriptor's kernels read it, else the compute dtype; docs/performance.md).
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache
@@ -131,6 +143,8 @@ def compile(  # noqa: A001 - the public name users expect
         options["sources_only"] = True  # GPU targets: no kernel binaries (JIT on the device); keyed apart
     if tensor_parallel not in (None, 1, "1"):  # docs/parallel.md; absent at 1, so other cache keys do not move
         options["tensor_parallel"] = _tp_option(tensor_parallel)
+    if kv_cache_dtype is not None:  # absent unless asked, so other cache keys do not move
+        options["kv_cache_dtype"] = _kv_cache_dtype(kv_cache_dtype)
     if calibration_device not in (None, "cpu"):  # absent for the CPU default, so other cache keys do not move
         options["calibration_device"] = _calibration_device(calibration_device)
     desc = resolve_target(target)

@@ -87,11 +87,12 @@ def decode_step(graph: Any, exe: Any, batch: int, context: int, block: int,
                 generator: torch.Generator) -> tuple[dict[str, torch.Tensor], Any, Any]:
     """One decode step's inputs as `portlayer bench` times it: ``batch`` sequences of one new token after
     ``context`` cached ones in a fresh paged KV cache: (feeds, attention metadata, KV caches) for ``exe.run``."""
+    from portlayer.codegen.host_support import kv_cache_dtype
     from portlayer.runtime.validation import new_kv_cache, step_metadata
 
     dev = torch.device(exe.device)
     vocab = int(graph.meta.get("vocab_size") or 2)
-    caches = new_kv_cache(graph, batch, context + 1, block, exe.dtype, dev)
+    caches = new_kv_cache(graph, batch, context + 1, block, kv_cache_dtype(exe), dev)
     md = step_metadata([1] * batch, [context] * batch, block_size=block, max_len=context + 1, device=dev)
     feeds = {"input_ids": torch.randint(0, vocab, (batch,), generator=generator).to(dev),
              "positions": torch.full((batch,), context, dtype=torch.int64, device=dev)}

@@ -361,7 +361,8 @@ def build_artifact(src: Any, desc: Descriptor, options: dict[str, Any], key: str
 
     graph = _captured(src, options, stages)
     overrides = {k: v for k, v in (("compute_dtype", options["dtype"]), ("weight_quantization", options["quantize"]),
-                                   ("tensor_parallel", options.get("tensor_parallel"))) if v}
+                                   ("tensor_parallel", options.get("tensor_parallel")),
+                                   ("kv_cache_dtype", options.get("kv_cache_dtype"))) if v}
     with stages.stage("passes") as say:
         say(f"for {desc.name}")
         result, passes_how, gate_doc = optimize_with_gate(graph, desc, overrides, bool(options.get("strict")), say,

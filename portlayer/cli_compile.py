@@ -19,6 +19,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="force the compute dtype (float32, bfloat16, float16)")
     p.add_argument("--quantize", default=None, choices=("none", "int8", "int4", "native"),
                    help="weight-only quantization (native: keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks)")
+    p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="the KV cache's element type (float8_e4m3fn / fp8, bfloat16, float16, float32; default: the "
+                        "Plan's pick, fp8 where the descriptor's kernels read it)")
     p.add_argument("--strict", action="store_true", help="refuse a --quantize format below the quality gate (docs/quantization.md)")
     p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
                    help="shard over N ranks (torch.distributed; auto: the smallest N that fits), docs/parallel.md")
@@ -77,7 +80,8 @@ def run_compile(args: argparse.Namespace) -> int:
     art = portlayer.compile(args.model, target=args.target, output=args.output, dtype=args.dtype,
                             quantize=args.quantize, progress=not args.no_progress, strict=args.strict,
                             verify=not args.no_verify, sources_only=args.sources_only or None,
-                            tensor_parallel=args.tensor_parallel, calibration_device=args.calibration_device)
+                            tensor_parallel=args.tensor_parallel, calibration_device=args.calibration_device,
+                            kv_cache_dtype=args.kv_cache_dtype)
     m = art.manifest
     if art.cache_hit:
         print(f"cache hit: {m.model.get('spec')} for {m.target.get('name')} is already compiled ({art.seconds:.2f} s)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from portlayer.codegen.host_support import kv_cache_dtype
 from portlayer.runtime import overlap as overlap_mod
 from portlayer.runtime.block_manager import BlockManager
 from portlayer.runtime.embed_batches import BatchRunner, plan_batches, step_workers
@@ -80,7 +81,7 @@ class LLMEngine:
         self.kv_caches = None
         num_blocks = 0
         if task == "causal_lm":
-            spec = KVCacheSpec.from_meta(self.meta, bs, executable.dtype)
+            spec = KVCacheSpec.from_meta(self.meta, bs, kv_cache_dtype(executable))
             kv_budget = pick(kv_cache_budget_bytes, "kv_cache_budget_bytes", 1 << 30)
             # Never more than every sequence slot at full length could use (keeps CPU tests small).
             num_blocks = min(spec.num_blocks_for(kv_budget), nseqs * -(-max_pos // bs))

@@ -29,15 +29,17 @@ import torch  # noqa: E402
 from portlayer.flatten.op_defs.attention import AttentionMetadata  # noqa: E402
 
 
-def build(cfg: dict, heads: tuple[int, int, int], target: str, out: Path):
+def build(cfg: dict, heads: tuple[int, int, int], target: str, out: Path, kv: str | None = None):
     from portlayer.backends.calibration_runner import one_attention, with_binaries
     from portlayer.backends.generate import generate
     from portlayer.backends.triton_program import load_program
     from portlayer.codegen.program import write_program
     from portlayer.passes.pipeline import run_pipeline
 
-    res = run_pipeline(one_attention(heads, torch.bfloat16), target,
-                       overrides={"compute_dtype": "bfloat16", "weight_quantization": "none"})
+    overrides = {"compute_dtype": "bfloat16", "weight_quantization": "none"}
+    if kv:
+        overrides["kv_cache_dtype"] = kv
+    res = run_pipeline(one_attention(heads, torch.bfloat16), target, overrides=overrides)
     launch = {**res.plan.value("launch.attention_decode"), **cfg}
     write_program(generate(res.graph, res.plan, res.descriptor, launch={"attention_decode": launch}), out)
     src = with_binaries(out, res.descriptor)
@@ -45,14 +47,15 @@ def build(cfg: dict, heads: tuple[int, int, int], target: str, out: Path):
     return prog, launch
 
 
-def case(batch: int, context: int, heads: tuple[int, int, int], copies: int, dev: torch.device):
+def case(batch: int, context: int, heads: tuple[int, int, int], copies: int, dev: torch.device,
+         cache_dtype: torch.dtype = torch.bfloat16):
     hq, hkv, d = heads
     per = -(-(context + 1) // 16)
     g = torch.Generator(device=dev).manual_seed(0)
     caches = []
     for _ in range(copies):
-        kc = torch.randn(batch * per, 16, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
-        caches.append((kc, torch.randn_like(kc)))
+        kc = torch.randn(batch * per, 16, hkv, d, device=dev, dtype=torch.bfloat16, generator=g).to(cache_dtype)
+        caches.append((kc, torch.randn_like(kc, dtype=torch.bfloat16).to(cache_dtype)))
     md = AttentionMetadata.from_lens([1] * batch, device=dev)
     md.seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=dev)
     md.max_seq_len = context + 1
@@ -100,6 +103,7 @@ def main() -> int:
     p.add_argument("--heads", default="16,8,128", help="query heads, KV heads, head dim (Qwen3-0.6B)")
     p.add_argument("--target", default="nvidia-h200")
     p.add_argument("--label", default="")
+    p.add_argument("--kv-cache-dtype", default=None, help="the Plan's KV cache dtype (default: its pick)")
     a = p.parse_args()
     dev = torch.device("cuda")
     heads = tuple(int(x) for x in a.heads.split(","))
@@ -109,15 +113,17 @@ def main() -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for i, cfg in enumerate(json.loads(a.configs)):
-            prog, launch = build(cfg, heads, a.target, Path(tmp) / f"c{i}")
+            prog, launch = build(cfg, heads, a.target, Path(tmp) / f"c{i}", a.kv_cache_dtype)
+            cache_dtype = getattr(prog, "kv_dtype", torch.bfloat16)  # an older tree's program: its compute dtype
             for b in batches:
                 for c in contexts:
-                    kv = 2 * b * (c + 1) * heads[1] * heads[2] * 2
+                    kv = 2 * b * (c + 1) * heads[1] * heads[2] * cache_dtype.itemsize
                     copies = max(1, min(256, -(-(256 << 20) // kv)))
-                    feeds, md, caches = case(b, c, heads, copies, dev)
+                    feeds, md, caches = case(b, c, heads, copies, dev, cache_dtype)
                     with torch.inference_mode():
                         us = time_point(prog, feeds, md, caches)
-                    rows.append({"label": a.label, "config": launch, "batch": b, "context": c, "us": round(us, 2),
+                    rows.append({"label": a.label, "config": launch, "cache": str(cache_dtype).removeprefix("torch."),
+                                 "batch": b, "context": c, "us": round(us, 2),
                                  "kv_gbps": round(kv / us / 1e3, 1)})
                     print(f"{a.label} {json.dumps(cfg)} b={b} ctx={c}: {us:.2f} us ({kv / us / 1e3:.0f} GB/s)",
                           flush=True)

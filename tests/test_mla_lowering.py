@@ -35,21 +35,23 @@ def _feeds(t: int, dtype: torch.dtype, seed: int = 1):
             "k_pe": torch.randn(t, DR, generator=g).to(dtype)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_mla_matches_reference(monkeypatch, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, None), (torch.float16, "float16"),
+                                      (torch.float16, "float8_e4m3fn")], ids=["fp32", "fp16", "fp16-fp8cache"])
+def test_paged_mla_matches_reference(monkeypatch, tmp_path, dtype, kv):
     use_interpreter(monkeypatch)
     graph = _graph(dtype)
-    gen, prog = build_program(graph, tmp_path)
+    gen, prog = build_program(graph, tmp_path, kv_cache_dtype=kv)
     assert {r["impl"] for r in prog.result.graph.meta["kernels"]} >= {"triton.mla_attention"}
     meta, kc, _ = paged_setup([(9, 5), (20, 1), (3, 1)], 1, R + DR, dtype, seed=3)  # latent entries, one "head"
-    vc = torch.zeros(*kc.shape[:3], 0, dtype=dtype)
+    kc = kc.to(prog.kv_dtype)
+    vc = torch.zeros(*kc.shape[:3], 0, dtype=prog.kv_dtype)
     feeds = _feeds(int(meta.query_start_loc[-1]), dtype)
     ours_c, ref_c = [(kc.clone(), vc.clone())], [(kc.clone(), vc.clone())]
     (ours,) = prog.run(feeds, meta, ours_c)
     (want,) = reference(graph, feeds, meta, ref_c)
     assert ours.shape == want.shape == (7, H, DV)
     assert rel_err(ours, want) <= tol(dtype)
-    assert torch.equal(ours_c[0][0], ref_c[0][0])
+    assert torch.equal(ours_c[0][0].view(torch.uint8), ref_c[0][0].view(torch.uint8))  # the same bytes written
 
 
 def test_mla_without_cache_matches_reference(monkeypatch, tmp_path):

@@ -57,14 +57,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, None), (torch.float16, "float16"),
+                                      (torch.float16, "float8_e4m3fn")], ids=["fp32", "fp16", "fp16-fp8cache"])
 @pytest.mark.parametrize("seqs,hq,hkv,d,attrs", CASES)
-def test_paged_attention(tmp_path, dtype, seqs, hq, hkv, d, attrs):
+def test_paged_attention(tmp_path, dtype, kv, seqs, hq, hkv, d, attrs):
+    """The generated attention kernels (KV write, paged prefill, split-K decode) against the reference op on the same
+    caches; a float8 cache: both round what they write to e4m3 and read it back (templates/triton/_kv_cache.j2)."""
     graph = _graph(dtype, hq, hkv, d, **attrs)
     meta, kc, vc = paged_setup(seqs, hkv, d, dtype, seed=len(seqs) * 7 + hq)
     t = int(meta.query_start_loc[-1])
     feeds = _feeds(t, hq, hkv, d, dtype)
-    _, prog = build_program(graph, tmp_path)
+    _, prog = build_program(graph, tmp_path, kv_cache_dtype=kv)
+    assert prog.kv_dtype == getattr(torch, kv or "float32")
+    kc, vc = kc.to(prog.kv_dtype), vc.to(prog.kv_dtype)
     ours_caches = [(kc.clone(), vc.clone())]
     ref_caches = [(kc.clone(), vc.clone())]
     (ours,) = prog.run(feeds, meta, ours_caches)

@@ -47,16 +47,20 @@ def float_dtype(graph: Graph) -> str:
 
 def build_program(graph: Graph, tmp: Path, *, target: str = "nvidia-h200", launch=None,
                   triton_gemm_max_tokens: int | None = None, gemv_max_tokens: int | None = None, device: str = "cpu",
-                  gemv_dot_max_tokens: int | None = None, **options: Any):
+                  gemv_dot_max_tokens: int | None = None, kv_cache_dtype: str | None = None, **options: Any):
     """The pipeline's program for ``graph`` on ``target`` (passes -> lowerings -> host program), loaded.
 
     ``launch`` / ``triton_gemm_max_tokens`` / ``gemv_max_tokens`` / ``gemv_dot_max_tokens`` replace the Plan's
-    launch configs and the descriptor's GEMM crossovers, so a test can reach a template path the shipped numbers do not choose at this size."""
+    launch configs and the descriptor's GEMM crossovers, so a test can reach a template path the shipped numbers do not choose at this size.
+    ``kv_cache_dtype``: the Plan's KV cache element type instead of its pick (the program's ``kv_dtype``)."""
     from portlayer.backends.generate import generate
     from portlayer.codegen.program import load_program, write_program
     from portlayer.passes.pipeline import run_pipeline
 
-    result = run_pipeline(graph, target, overrides={"compute_dtype": float_dtype(graph), "weight_quantization": "none"})
+    overrides = {"compute_dtype": float_dtype(graph), "weight_quantization": "none"}
+    if kv_cache_dtype:
+        overrides["kv_cache_dtype"] = kv_cache_dtype
+    result = run_pipeline(graph, target, overrides=overrides)
     gen = generate(result.graph, result.plan, result.descriptor, launch=launch, gemm_max_tokens=triton_gemm_max_tokens,
                    gemv_max_tokens=gemv_max_tokens, gemv_dot_max_tokens=gemv_dot_max_tokens)
     assert gen.fallbacks == [], gen.fallbacks

@@ -38,7 +38,13 @@ def _common(ctx: GenContext, node) -> dict[str, Any]:
     return {"HQ": hq, "HKV": hkv, "D": d, "GROUP": hq // hkv, "BLOCK_D": pow2(max(16, d)),
             "WINDOW": int(a.get("sliding_window") or 0), "SOFTCAP": float(a.get("softcap") or 0.0),
             "scale": float(a["scale"]) if a.get("scale") is not None else 1.0 / math.sqrt(d),
-            "causal": bool(a.get("causal", True)), "dtype": q_t.dtype, "kv_dtype": k_t.dtype}
+            "causal": bool(a.get("causal", True)), "dtype": q_t.dtype, "kv_dtype": k_t.dtype,
+            "cache_dtype": ctx.cache_dtype(k_t.dtype)}
+
+
+def is_fp8(dtype: str) -> bool:
+    """A float8 KV cache: its kernels round what they store and upcast what they load (templates/triton/_kv_cache.j2)."""
+    return dtype.startswith("float8")
 
 
 def build_prefill(ctx: GenContext, node, paged: bool):
@@ -49,7 +55,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
     if paged:
         const["BLOCK_SIZE"] = 16
     const.update(WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
-    kv = c["kv_dtype"]
+    kv = c["cache_dtype"] if paged else c["kv_dtype"]  # paged: K/V come from the cache
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_ptr", ptr(kv)), Param("v_ptr", ptr(kv)),
               Param("out_ptr", ptr(c["dtype"]))]
     if paged:
@@ -62,7 +68,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
     spec = make_kernel("triton/attention_prefill.py.j2", "attn_prefill", f"{mode}_{short_dtype(c['dtype'])}", params,
                        const, cfg["num_warps"], cfg["num_stages"], doc="Varlen flash attention (prefill).",
                        paged=paged, causal=c["causal"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
-                       dot_args=dot_args(c["dtype"]), even_d=c["BLOCK_D"] == c["D"])
+                       dot_args=dot_args(c["dtype"]), even_d=c["BLOCK_D"] == c["D"], kv_fp8=paged and is_fp8(kv))
     return spec, const, c, cfg
 
 
@@ -73,7 +79,7 @@ def build_decode(ctx: GenContext, node):
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
     const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]),
                  BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits, WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
-    kv = c["kv_dtype"]
+    kv = c["cache_dtype"]
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_cache_ptr", ptr(kv)), Param("v_cache_ptr", ptr(kv)),
               Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32"), Param("query_start_ptr", "*i32"),
               Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
@@ -83,7 +89,7 @@ def build_decode(ctx: GenContext, node):
     spec = make_kernel("triton/attention_decode.py.j2", "attn_decode", short_dtype(c["dtype"]), params, const,
                        cfg["num_warps"], cfg["num_stages"], doc="Split-K paged decode attention.",
                        GROUP=c["GROUP"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
-                       dot_args=dot_args(c["dtype"]))
+                       dot_args=dot_args(c["dtype"]), kv_fp8=is_fp8(kv))
     reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "NUM_SPLITS": splits}
     reduce_params = [Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
                      Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"),
@@ -126,11 +132,12 @@ def build_cache_write(ctx: GenContext, node):
         raise Unsupported("reshape_and_cache wants K and V rows of one size")
     block = pow2(row)
     warps = ctx.row_warps("reshape_and_cache", block, k_t.dtype)
-    params = [Param("k_ptr", ptr(k_t.dtype)), Param("v_ptr", ptr(v_t.dtype)), Param("k_cache_ptr", ptr(k_t.dtype)),
-              Param("v_cache_ptr", ptr(v_t.dtype)), Param("slot_mapping_ptr", "*i64"), Param("n_tokens", "i32"),
+    kc, vc = ctx.cache_dtype(k_t.dtype), ctx.cache_dtype(v_t.dtype)
+    params = [Param("k_ptr", ptr(k_t.dtype)), Param("v_ptr", ptr(v_t.dtype)), Param("k_cache_ptr", ptr(kc)),
+              Param("v_cache_ptr", ptr(vc)), Param("slot_mapping_ptr", "*i64"), Param("n_tokens", "i32"),
               Param("ROW", "constexpr"), Param("BLOCK", "constexpr")]
     spec = make_kernel("triton/reshape_and_cache.py.j2", "reshape_and_cache", short_dtype(k_t.dtype), params,
-                       {"ROW": row, "BLOCK": block}, warps, doc="Write new K/V into the paged cache.")
+                       {"ROW": row, "BLOCK": block}, warps, doc="Write new K/V into the paged cache.", kv_fp8=is_fp8(kc))
     return spec, row, block, warps
 
 

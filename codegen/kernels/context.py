@@ -31,6 +31,7 @@ class GenContext:
     gemv_max_weight_bytes: int = 0
     wq_vendor_min_tokens: int = 0  # linear_wq: dequantize + vendor GEMM from these rows (0: never; gemm_rule)
     shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)
+    kv_dtype: str | None = None  # the Plan's kv_cache_dtype (None: the attention's own K/V dtype)
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
 
@@ -45,6 +46,10 @@ class GenContext:
             raise KeyError(f"the Plan has no launch config for kernel family {family!r}: it was negotiated for a "
                            "target that does not generate Triton code; compile for a Triton target")
         return cfg
+
+    def cache_dtype(self, kv_dtype: str) -> str:
+        """The paged KV cache's element type for attention K/V of ``kv_dtype``: the Plan's kv_cache_dtype."""
+        return self.kv_dtype or kv_dtype
 
     def kv_cache_expr(self, layer: int) -> str:
         """How host code names one layer's (k_cache, v_cache) pair; layer loops rename it."""

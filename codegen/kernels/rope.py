@@ -99,7 +99,8 @@ def build_rope(ctx: GenContext, group: KernelGroup) -> GroupCode:
     variant = ("norm_" if norm_cfg else "") + f"{style}{'_partial' if partial else ''}_{short_dtype(dt)}"
     doc = f"Rotary embedding ({style}) of q and k{' after their per-head rms_norm' if norm_cfg else ''}"
     spec = make_kernel("triton/rope.py.j2", "rope", variant, params, const, cfg["num_warps"], doc=doc + ".",
-                       style=style, partial=partial, norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=False)
+                       style=style, partial=partial, norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=False,
+                       kv_fp8=False)
     n = host_numel(q_t.shape[:1])
     k_out = k.outputs[0].name if len(ropes) == 2 else q.outputs[0].name
     consts = ", ".join(f"{c}={v}" for c, v in const.items())
@@ -114,13 +115,14 @@ def build_rope(ctx: GenContext, group: KernelGroup) -> GroupCode:
     if len(ropes) != 2 or int(ctx.types[v].shape[1]) != hk or int(ctx.types[v].shape[2]) != d:
         raise Unlowerable(f"group {group.name}: the KV write wants V [T, {hk}, {d}] beside q/k ropes, got {ctx.types[v]}")
     at = params.index(next(p for p in params if p.name == "q_out_ptr"))
-    kv_params = [*params[:at], Param("v_ptr", ptr(ctx.types[v].dtype)), Param("k_cache_ptr", ptr(k_t.dtype)),
-                 Param("v_cache_ptr", ptr(ctx.types[v].dtype)), Param("slot_mapping_ptr", "*i64"), *params[at:],
+    kc, vc = ctx.cache_dtype(k_t.dtype), ctx.cache_dtype(ctx.types[v].dtype)
+    kv_params = [*params[:at], Param("v_ptr", ptr(ctx.types[v].dtype)), Param("k_cache_ptr", ptr(kc)),
+                 Param("v_cache_ptr", ptr(vc)), Param("slot_mapping_ptr", "*i64"), *params[at:],
                  Param("BLOCK_V", "constexpr")]
     kv_const = {**const, "BLOCK_V": pow2(d)}
     kspec = make_kernel("triton/rope.py.j2", "rope", "kv_" + variant, kv_params, kv_const, cfg["num_warps"],
                         doc=doc + ", writing K and V into the paged cache.", style=style, partial=partial,
-                        norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=True)
+                        norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=True, kv_fp8=kc.startswith("float8"))
     kv_line = (f"K.{kspec.name}[({n},)]({', '.join(args)}, {v}, k_cache, v_cache, st.slot_mapping, {q.outputs[0].name}, "
                f"{k_out}, {n}{eps_args}, {consts}, BLOCK_V={pow2(d)}, num_warps={cfg['num_warps']})")
     lines = ["if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)",

@@ -204,8 +204,15 @@ def write_kv_cache(
     slots = slots[keep]
     kc = k_cache.view(-1, *k_cache.shape[2:])  # a view: writes land in the cache (fails loudly if not contiguous)
     vc = v_cache.view(-1, *v_cache.shape[2:])
-    kc.index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    vc.index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    # torch rounds to a float8 cache to nearest (ties to even) and saturates at its largest finite value: the bytes
+    # the generated kernels store too (codegen/templates/triton/_kv_cache.j2)
+    cache_bytes(kc).index_copy_(0, slots, cache_bytes(k[keep].to(k_cache.dtype)))
+    cache_bytes(vc).index_copy_(0, slots, cache_bytes(v[keep].to(v_cache.dtype)))
+
+
+def cache_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes: index_copy_ / indexing have no float8 kernels on the CPU."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def read_kv_cache(
@@ -215,6 +222,6 @@ def read_kv_cache(
     block_size = k_cache.shape[1]
     nblocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:nblocks].long()
-    kk = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:seq_len]
-    vv = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:seq_len]
+    kk = cache_bytes(k_cache)[ids].view(k_cache.dtype).reshape(-1, *k_cache.shape[2:])[:seq_len]
+    vv = cache_bytes(v_cache)[ids].view(v_cache.dtype).reshape(-1, *v_cache.shape[2:])[:seq_len]
     return kk, vv

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from portlayer.flatten.ir import TensorType, eval_dim
-from portlayer.flatten.op_defs.attention import AttentionMetadata, attention_reference
+from portlayer.flatten.op_defs.attention import AttentionMetadata, attention_reference, cache_bytes
 from portlayer.flatten.ops import op
 
 
@@ -99,7 +99,7 @@ def mla_attention(q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_k
         k_cache = caches[layer][0]
         slots = meta.slot_mapping.long()
         keep = slots >= 0
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots[keep], new[keep].to(k_cache.dtype))
+        cache_bytes(k_cache.view(-1, *k_cache.shape[2:])).index_copy_(0, slots[keep], cache_bytes(new[keep].to(k_cache.dtype)))
     out = torch.empty(q.shape[0], h, dv, dtype=q.dtype, device=q.device)
     starts = meta.query_start_loc.tolist()
     for b, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
@@ -110,7 +110,9 @@ def mla_attention(q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_k
             seq_len = int(meta.seq_lens[b])
             bs = k_cache.shape[1]
             ids = meta.block_tables[b][: (seq_len + bs - 1) // bs].long()
-            entries = k_cache[ids].reshape(-1, k_cache.shape[-1])[:seq_len]
+            entries = cache_bytes(k_cache)[ids].view(k_cache.dtype).reshape(-1, k_cache.shape[-1])[:seq_len]
+            if entries.dtype.itemsize == 1:  # a float8 cache: its rounded values, in the compute dtype
+                entries = entries.to(q.dtype)
         else:
             seq_len, entries = e - s, new[s:e, 0]
         if e - s == 1 and seq_len > 1:

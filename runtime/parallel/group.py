@@ -106,6 +106,7 @@ class ProxyExecutable:
     def __init__(self, inner: Any, control: Any, world: int, watchdog: Watchdog | None = None) -> None:
         self.inner, self.control, self.world, self.watchdog = inner, control, world, watchdog
         self.device, self.dtype, self.input_names = inner.device, inner.dtype, inner.input_names
+        self.kv_dtype = getattr(inner, "kv_dtype", None)
         self.closed = False
         self.in_step = False
         if watchdog is not None:

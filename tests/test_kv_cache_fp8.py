@@ -1,0 +1,92 @@
+"""A float8_e4m3fn KV cache: the Plan picks it where the descriptor's kernels read it, the cache holds twice the
+tokens, overrides are checked, and on a real model (SmolLM2-135M) it stays the same model as with a float32 cache.
+The kernels' rounding is checked against the reference op in tests/test_triton_interp_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portlayer.capabilities.policy import PlanError, negotiate
+from portlayer.capabilities.requirements import ModelRequirements
+
+
+@pytest.fixture(scope="module")
+def req(captured) -> ModelRequirements:
+    return ModelRequirements.from_graph(captured["tiny-qwen3"])
+
+
+def _kv_bytes_per_token(graph, itemsize: int) -> int:
+    """From the captured attention ops' K/V shapes, not from the policy's own arithmetic."""
+    types = graph.value_types()
+    per_layer = [int(types[n.inputs[1]].shape[1]) * (int(types[n.inputs[1]].shape[2]) + int(types[n.inputs[2]].shape[2]))
+                 for n in graph.find("attention")]
+    return sum(per_layer) * itemsize
+
+
+def test_h200_plan_keeps_the_kv_cache_in_fp8_and_twice_the_tokens(captured, req):
+    fp8 = negotiate(req, "nvidia-h200", {"compute_dtype": "bfloat16"})
+    bf16 = negotiate(req, "nvidia-h200", {"compute_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"})
+    assert fp8.kv_cache_dtype == "float8_e4m3fn" and "half the bytes" in fp8.decision("kv_cache_dtype").reason
+    assert bf16.kv_cache_dtype == "bfloat16" and bf16.decision("kv_cache_dtype").reason.startswith("user override")
+    g = captured["tiny-qwen3"]
+    budget = fp8.kv_cache_budget_bytes
+    assert fp8.value("max_kv_tokens") == budget // _kv_bytes_per_token(g, 1)
+    assert bf16.value("max_kv_tokens") == bf16.kv_cache_budget_bytes // _kv_bytes_per_token(g, 2)
+
+
+@pytest.mark.parametrize("target,compute", [("cpu-x86_64", None), ("nvidia-h200", "float32"), ("amd-mi300x", None)])
+def test_targets_without_a_float8_cache_keep_the_compute_dtype(req, target, compute):
+    plan = negotiate(req, target, {"compute_dtype": compute} if compute else {})
+    assert plan.kv_cache_dtype == plan.compute_dtype
+
+
+def test_a_float8_cache_the_target_cannot_read_is_refused_by_name(req):
+    with pytest.raises(PlanError, match="amd-mi300x descriptor's paged-attention kernels do not read float8_e4m3fn"):
+        negotiate(req, "amd-mi300x", {"kv_cache_dtype": "float8_e4m3fn"})
+    with pytest.raises(PlanError, match="not a KV cache dtype"):
+        negotiate(req, "nvidia-h200", {"kv_cache_dtype": "int8"})
+    # the torch family casts with torch: a CPU target may ask for it
+    assert negotiate(req, "cpu-x86_64", {"kv_cache_dtype": "float8_e4m3fn"}).kv_cache_dtype == "float8_e4m3fn"
+
+
+def _paged_logits(graph, ids: list[int], cache_dtype: torch.dtype, decode: int) -> torch.Tensor:
+    """Logits of a paged prefill of ``ids`` then ``decode`` greedy steps, every K/V read back from a cache of
+    ``cache_dtype`` (the reference op rounds to it as the kernels do): [len(ids) + decode, vocab]."""
+    from portlayer.flatten.interpret import ExecContext, run_graph
+    from portlayer.runtime.validation import new_kv_cache, step_metadata
+
+    block, total = 16, len(ids) + decode
+    caches = new_kv_cache(graph, 1, total, block, cache_dtype, "cpu")
+    out, seq = [], list(ids)
+    for start, n in [(0, len(ids))] + [(len(ids) + i, 1) for i in range(decode)]:
+        md = step_metadata([n], [start], block_size=block, max_len=total, device="cpu")
+        feeds = {"input_ids": torch.tensor(seq[start:start + n]), "positions": torch.arange(start, start + n)}
+        feeds.update({v.name: torch.arange(n) for v in graph.inputs if v.name not in feeds})
+        logits = run_graph(graph, feeds, ExecContext(attn_metadata=md, kv_cache=caches))[0].float()
+        out.append(logits)
+        seq.append(int(logits[-1].argmax()))
+    return torch.cat(out)
+
+
+def test_smollm2_with_a_float8_kv_cache_is_the_same_model(_isolated_cache):
+    """Real weights: the chat model's next-token choices over a real prompt and 12 greedy steps, float8 cache
+    against a float32 cache of the same graph (the independent reference: the model without KV rounding)."""
+    from transformers import AutoTokenizer
+
+    from portlayer.build import capture_cached
+    from portlayer.builtin_models import resolve_model, smollm2_gguf
+    from portlayer.runtime.cache import model_dir_hash
+
+    d = resolve_model(str(smollm2_gguf()))
+    graph = capture_cached(d, model_dir_hash(d), lambda _m: None)
+    text = ("The capability descriptor says which primitives a device can compose and how fast; the compiler plans "
+            "every kernel from it. On an accelerator with coarsely aligned buffers and its own fused operators, ")
+    ids = AutoTokenizer.from_pretrained(d).encode(text)[:64]
+    ref = _paged_logits(graph, ids, torch.float32, 12)
+    got = _paged_logits(graph, ids, torch.float8_e4m3fn, 12)
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    kl = float(torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                          reduction="none").sum(-1).mean())
+    print(f"SmolLM2 float8 KV vs float32 KV: top-1 agreement {top1:.3f}, mean KL {kl:.4f} nats over {len(ref)} positions")
+    assert top1 >= 0.95 and kl <= 0.02, (top1, kl)
