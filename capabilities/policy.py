@@ -176,15 +176,11 @@ class _Negotiation:
             self.add("kv_cache_dtype", None, f"task {r.task!r} keeps no KV cache")
             return
         fp8 = [x for x in d.kv_cache_dtypes if x.startswith("float8")]
-        if fp8 and d.codegen == "triton" and dt in ("bfloat16", "float16"):
-            self.add("kv_cache_dtype", fp8[0],
-                     f"the device's paged-attention kernels read {fp8[0]} caches ({d.source('kv_cache.dtypes')}): half "
-                     f"the bytes of {dt} per cached token, and decode attention reads every cached token each step; "
-                     "values are rounded to e4m3 (ties to even, saturated at +-448) as they are written, an error "
-                     "`portlayer validate` bounds (KV_RTOL); --kv-cache-dtype " + dt + " keeps the compute dtype")
-            return
-        why = ("the compute dtype" if not fp8 else
-               f"the compute dtype ({dt}: the narrower {fp8[0]} cache is read only by Triton kernels at 16-bit compute)")
+        why = "the compute dtype"
+        if fp8:  # measured slower per step with the generated decode attention: a capacity choice, asked for
+            why += (f"; the device's kernels also read {fp8[0]} caches ({d.source('kv_cache.dtypes')}), half the "
+                    "bytes a token, but the generated decode attention is slower on them (its e4m3 conversions, not "
+                    f"the KV bytes, bound it: docs/performance.md); --kv-cache-dtype {fp8[0]} holds twice the tokens")
         self.add("kv_cache_dtype", dt, why)
 
     def kv_block_size(self) -> None:

@@ -7,7 +7,7 @@ slice of the sequence's keys, BLOCK_N tokens a step, each token's cache row foun
 the block table (so a step spans pages of any BLOCK_SIZE). num_splits is chosen per step by
 the host (codegen/host_support.decode_splits: enough programs for the device, at most
 NUM_SPLITS): with one split a program normalises and writes its output; with more, partial
-results (unnormalised output, running max, running sum) go to scratch and attn_decode_bf16_abe4ef_reduce
+results (unnormalised output, running max, running sum) go to scratch and attn_decode_bf16_95064f_reduce
 merges them. Cache layout: [num_blocks, BLOCK_SIZE, HKV, D].
 """
 
@@ -20,7 +20,7 @@ except ImportError:
 
 
 @triton.jit
-def attn_decode_bf16_abe4ef(
+def attn_decode_bf16_95064f(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -92,8 +92,8 @@ def attn_decode_bf16_abe4ef(
         kmask = kpos < seq_len
         page = tl.load(table + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
         rows = (page * BLOCK_SIZE + kpos % BLOCK_SIZE)[:, None] * (HKV * D) + kvh * D + d[None, :]
-        k = (tl.load(k_cache_ptr + rows, mask=kmask[:, None] & dmask[None, :], other=0.0)).to(q.dtype)
-        v = (tl.load(v_cache_ptr + rows, mask=kmask[:, None] & dmask[None, :], other=0.0)).to(q.dtype)
+        k = tl.load(k_cache_ptr + rows, mask=kmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + rows, mask=kmask[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,7 +114,7 @@ def attn_decode_bf16_abe4ef(
 
 
 @triton.jit
-def attn_decode_bf16_abe4ef_reduce(
+def attn_decode_bf16_95064f_reduce(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,

@@ -17,7 +17,7 @@ except ImportError:
 
 
 @triton.jit
-def attn_prefill_paged_bf16_1d7f0b(
+def attn_prefill_paged_bf16_482e53(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -75,7 +75,6 @@ def attn_prefill_paged_bf16_1d7f0b(
             kv_rows = (block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * HKV * D + kvh * D
             k = tl.load(k_ptr + kv_rows[:, None] + d[None, :])
             v = tl.load(v_ptr + kv_rows[:, None] + d[None, :])
-            k, v = k.to(q.dtype), v.to(q.dtype)  # a float8 cache (templates/triton/_kv_cache.j2)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = m_new  # every row has a visible key in an unmasked block
@@ -92,7 +91,6 @@ def attn_prefill_paged_bf16_1d7f0b(
             kvmask = nmask[:, None]
             k = tl.load(k_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_ptr + kv_rows[:, None] + d[None, :], mask=kvmask, other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # a float8 cache (templates/triton/_kv_cache.j2)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             keep = nmask[None, :]
             keep = keep & (n[None, :] <= q_pos[:, None])

@@ -17,9 +17,9 @@ from portlayer.codegen.host_support import HostProgram, W_T, decode_splits, gemm
 
 class Program(HostProgram):
     KERNELS = (
-        "attn_decode_bf16_abe4ef",
+        "attn_decode_bf16_95064f",
         "attn_prefill_dense_bf16_9f0a57",
-        "attn_prefill_paged_bf16_1d7f0b",
+        "attn_prefill_paged_bf16_482e53",
         "embedding_bf16_1cf359",
         "gemv_add_nosum_rms_bf16_da7d3a",
         "gemv_bf16_fa8977",
@@ -31,7 +31,7 @@ class Program(HostProgram):
         "reduction_add_nosum_rms_norm_bf16_effee7",
         "reduction_add_rms_norm_bf16_e08443",
         "reduction_rms_norm_bf16_13170c",
-        "rope_kv_norm_neox_bf16_041db3",
+        "rope_kv_norm_neox_bf16_d76f07",
         "rope_norm_neox_bf16_47fcf0",
     )
     SCRATCH = (1024, 64)
@@ -70,7 +70,7 @@ class Program(HostProgram):
         l0_self_attn_rope_1 = B.l0_self_attn_rope_1
         if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)
             k_cache, v_cache = kv_caches[0]
-            K.rope_kv_norm_neox_bf16_041db3[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
+            K.rope_kv_norm_neox_bf16_d76f07[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
         else:
             K.rope_norm_neox_bf16_47fcf0[(T,)](l0_self_attn_reshape, l0_self_attn_reshape_1, positions, W.rope_cos_sin_cache, W.model_layers_0_self_attn_q_norm_weight, W.model_layers_0_self_attn_k_norm_weight, l0_self_attn_rope, l0_self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
 
@@ -81,19 +81,19 @@ class Program(HostProgram):
             k_cache, v_cache = kv_caches[0]
             # K/V are in the cache already: the rope kernel wrote them
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_1d7f0b[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_482e53[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     l0_self_attn_rope, k_cache, v_cache, l0_self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
                 kv_splits = decode_splits(st.num_decodes, 2, 264, 16)
-                K.attn_decode_bf16_abe4ef[(st.num_decodes, 2, kv_splits)](
+                K.attn_decode_bf16_95064f[(st.num_decodes, 2, kv_splits)](
                     l0_self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, l0_self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=3)
                 if kv_splits > 1:
-                    K.attn_decode_bf16_abe4ef_reduce[(st.num_decodes, 4)](
+                    K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
                         self.part_out, self.part_max, self.part_sum, st.query_start_loc, l0_self_attn_attention, st.num_prefills, kv_splits,
                         HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:
@@ -174,7 +174,7 @@ class Program(HostProgram):
         self_attn_rope_1 = B.self_attn_rope_1
         if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)
             k_cache, v_cache = kv_caches[layer]
-            K.rope_kv_norm_neox_bf16_041db3[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
+            K.rope_kv_norm_neox_bf16_d76f07[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_reshape_2, k_cache, v_cache, st.slot_mapping, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, BLOCK_V=16, num_warps=1)
         else:
             K.rope_norm_neox_bf16_47fcf0[(T,)](self_attn_reshape, self_attn_reshape_1, positions, W.rope_cos_sin_cache, P.self_attn_q_norm_weight, P.self_attn_k_norm_weight, self_attn_rope, self_attn_rope_1, T, 1e-06, 1e-06, HQ=4, HK=2, D=16, ROT=16, BLOCK_H=4, BLOCK_D=8, num_warps=1)
 
@@ -185,19 +185,19 @@ class Program(HostProgram):
             k_cache, v_cache = kv_caches[layer]
             # K/V are in the cache already: the rope kernel wrote them
             if st.num_prefills:
-                K.attn_prefill_paged_bf16_1d7f0b[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
+                K.attn_prefill_paged_bf16_482e53[(triton.cdiv(st.max_query_len, 64), st.num_prefills, 4)](
                     self_attn_rope, k_cache, v_cache, self_attn_attention, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=4, num_stages=3)
             if st.num_decodes:
                 kv_splits = decode_splits(st.num_decodes, 2, 264, 16)
-                K.attn_decode_bf16_abe4ef[(st.num_decodes, 2, kv_splits)](
+                K.attn_decode_bf16_95064f[(st.num_decodes, 2, kv_splits)](
                     self_attn_rope, k_cache, v_cache, st.block_tables, st.seq_lens, st.query_start_loc,
                     self.part_out, self.part_max, self.part_sum, self_attn_attention, st.num_prefills, st.bt_stride, kv_splits, 0.25,
                     HQ=4, HKV=2, D=16, GROUP=2, BLOCK_H=16, BLOCK_N=256, BLOCK_D=16, NUM_SPLITS=16, WINDOW=0, SOFTCAP=0.0, BLOCK_SIZE=st.block_size,
                     num_warps=2, num_stages=3)
                 if kv_splits > 1:
-                    K.attn_decode_bf16_abe4ef_reduce[(st.num_decodes, 4)](
+                    K.attn_decode_bf16_95064f_reduce[(st.num_decodes, 4)](
                         self.part_out, self.part_max, self.part_sum, st.query_start_loc, self_attn_attention, st.num_prefills, kv_splits,
                         HQ=4, D=16, BLOCK_D=16, NUM_SPLITS=16, num_warps=2)
         else:

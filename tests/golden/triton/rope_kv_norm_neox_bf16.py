@@ -16,7 +16,7 @@ except ImportError:
 
 
 @triton.jit
-def rope_kv_norm_neox_bf16_041db3(
+def rope_kv_norm_neox_bf16_d76f07(
     q_ptr,
     k_ptr,
     pos_ptr,
@@ -102,18 +102,9 @@ def rope_kv_norm_neox_bf16_041db3(
     cbase = slot * HK * D + h[:, None] * D
     cm = (h[:, None] < hk_lim) & imask[None, :]
     kdt = k_out_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cbase + first[None, :], kv_to_e4m3((o1.to(kdt)).to(tl.float32)), mask=cm)
-    tl.store(k_cache_ptr + cbase + second[None, :], kv_to_e4m3((o2.to(kdt)).to(tl.float32)), mask=cm)
+    tl.store(k_cache_ptr + cbase + first[None, :], o1.to(kdt), mask=cm)
+    tl.store(k_cache_ptr + cbase + second[None, :], o2.to(kdt), mask=cm)
     dv = tl.arange(0, BLOCK_V)
     vm = (h[:, None] < hk_lim) & (dv[None, :] < D)
     vrow = tl.load(v_ptr + t * HK * D + h[:, None] * D + dv[None, :], mask=vm)
-    tl.store(v_cache_ptr + cbase + dv[None, :], kv_to_e4m3((vrow).to(tl.float32)), mask=vm)
-
-
-@triton.jit
-def kv_to_e4m3(x):
-    """x (fp32) rounded to the nearest float8_e4m3fn value (ties to even), saturated at +-448."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # below 2^-6: the subnormal step
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    return ((x / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: round half to even
+    tl.store(v_cache_ptr + cbase + dv[None, :], vrow, mask=vm)
