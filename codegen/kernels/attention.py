@@ -42,6 +42,12 @@ def _common(ctx: GenContext, node) -> dict[str, Any]:
             "cache_dtype": ctx.cache_dtype(k_t.dtype)}
 
 
+def upcast(compute: str) -> str:
+    """What a float8 cache's values are read into for the dots (templates/triton/_kv_cache.j2): float16 at 16-bit
+    compute (exact for every e4m3 value, the cheap conversion), else the compute dtype."""
+    return "tl.float16" if compute in ("float16", "bfloat16") else "tl.float32"
+
+
 def is_fp8(dtype: str) -> bool:
     """A float8 KV cache: its kernels round what they store and upcast what they load (templates/triton/_kv_cache.j2)."""
     return dtype.startswith("float8")
@@ -68,7 +74,8 @@ def build_prefill(ctx: GenContext, node, paged: bool):
     spec = make_kernel("triton/attention_prefill.py.j2", "attn_prefill", f"{mode}_{short_dtype(c['dtype'])}", params,
                        const, cfg["num_warps"], cfg["num_stages"], doc="Varlen flash attention (prefill).",
                        paged=paged, causal=c["causal"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
-                       dot_args=dot_args(c["dtype"]), even_d=c["BLOCK_D"] == c["D"], kv_fp8=paged and is_fp8(kv))
+                       dot_args=dot_args(c["dtype"]), even_d=c["BLOCK_D"] == c["D"],
+                       kv_upcast=upcast(c["dtype"]) if paged and is_fp8(kv) else None)
     return spec, const, c, cfg
 
 
@@ -89,7 +96,7 @@ def build_decode(ctx: GenContext, node):
     spec = make_kernel("triton/attention_decode.py.j2", "attn_decode", short_dtype(c["dtype"]), params, const,
                        cfg["num_warps"], cfg["num_stages"], doc="Split-K paged decode attention.",
                        GROUP=c["GROUP"], window=bool(c["WINDOW"]), softcap=bool(c["SOFTCAP"]),
-                       dot_args=dot_args(c["dtype"]), kv_fp8=is_fp8(kv))
+                       dot_args=dot_args(c["dtype"]), kv_upcast=upcast(c["dtype"]) if is_fp8(kv) else None)
     reduce_const = {"HQ": c["HQ"], "D": c["D"], "BLOCK_D": c["BLOCK_D"], "NUM_SPLITS": splits}
     reduce_params = [Param("part_out_ptr", "*fp32"), Param("part_max_ptr", "*fp32"), Param("part_sum_ptr", "*fp32"),
                      Param("query_start_ptr", "*i32"), Param("out_ptr", ptr(c["dtype"])), Param("seq_offset", "i32"),

@@ -58,7 +58,6 @@ def attn_prefill_paged_bf16_482e53(
         q_pos = context + m
         q_rows = (q_start + m).to(tl.int64) * HQ * D + head * D
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=qmask[:, None] & dmask[None, :], other=0.0)
-
         hi = tl.minimum(seq_len, context + (mblock + 1) * BLOCK_M)
         lo = 0
         # Scores in log2 units (exp2 is one instruction; exp is exp2 plus a multiply).
