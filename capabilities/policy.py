@@ -177,10 +177,11 @@ class _Negotiation:
             return
         fp8 = [x for x in d.kv_cache_dtypes if x.startswith("float8")]
         why = "the compute dtype"
-        if fp8:  # measured slower per step with the generated decode attention: a capacity choice, asked for
-            why += (f"; the device's kernels also read {fp8[0]} caches ({d.source('kv_cache.dtypes')}), half the "
-                    "bytes a token, but the generated decode attention is slower on them (its e4m3 conversions, not "
-                    f"the KV bytes, bound it: docs/performance.md); --kv-cache-dtype {fp8[0]} holds twice the tokens")
+        if fp8:  # lossy: asked for, never picked (its speed and accuracy measured in docs/performance.md)
+            why += (f"; the device's kernels also read {fp8[0]} caches ({d.source('kv_cache.dtypes')}): half the "
+                    "bytes a token, twice the tokens a GiB, a faster decode attention from 16 sequences up and a "
+                    "slower one at one (docs/performance.md), at a measured accuracy cost (SmolLM2-135M: 2% of its "
+                    f"next tokens differ); --kv-cache-dtype {fp8[0]} asks for it")
         self.add("kv_cache_dtype", dt, why)
 
     def kv_block_size(self) -> None:

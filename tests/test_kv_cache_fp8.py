@@ -25,8 +25,8 @@ def _kv_bytes_per_token(graph, itemsize: int) -> int:
 
 
 def test_an_asked_for_float8_cache_holds_twice_the_tokens(captured, req):
-    """The H200's kernels read float8 caches (descriptor kv_cache.dtypes) but the Plan keeps the compute dtype (the
-    float8 decode attention measured slower there); asked for, the same budget holds twice the tokens."""
+    """The H200's kernels read float8 caches (descriptor kv_cache.dtypes) but the Plan keeps the compute dtype (a
+    float8 cache is lossy: asked for, never picked); asked for, the same budget holds twice the tokens."""
     bf16 = negotiate(req, "nvidia-h200", {"compute_dtype": "bfloat16"})
     fp8 = negotiate(req, "nvidia-h200", {"compute_dtype": "bfloat16", "kv_cache_dtype": "float8_e4m3fn"})
     assert bf16.kv_cache_dtype == "bfloat16" and "float8_e4m3fn" in bf16.decision("kv_cache_dtype").reason
