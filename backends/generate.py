@@ -55,7 +55,15 @@ def context_for(graph: Graph, plan: Any, descriptor: Any) -> GenContext:
                       gemv_max_weight_bytes=gemv_max_weight_bytes(descriptor),
                       wq_vendor_min_tokens=wq_vendor_min_tokens(descriptor) if descriptor.codegen == "triton" else 0,
                       shared_memory_bytes=descriptor.compute_units.max_shared_memory_per_block_bytes,
-                      kv_dtype=getattr(plan, "kv_cache_dtype", None) if plan is not None else None)
+                      kv_dtype=getattr(plan, "kv_cache_dtype", None) if plan is not None else None,
+                      kv_block_size=int(_plan_block_size(plan) or 16))
+
+
+def _plan_block_size(plan: Any) -> int | None:
+    try:
+        return plan.kv_block_size if plan is not None else None
+    except (KeyError, AttributeError):
+        return None
 
 
 def generate(graph: Graph, plan: Any, descriptor: Any, *, fold: bool = True, launch: dict[str, Any] | None = None,

@@ -175,6 +175,10 @@ class _Negotiation:
         if not r.needs_kv_cache:
             self.add("kv_cache_dtype", None, f"task {r.task!r} keeps no KV cache")
             return
+        asked = self.o.get("kv_cache_dtype")
+        if asked and not asked.startswith("float8") and asked != dt and d.codegen != "torch":
+            raise PlanError(f"--kv-cache-dtype {asked}: the {d.codegen} kernels keep the KV cache in the compute dtype "
+                            f"({dt}) or a float8 type the descriptor lists; use {dt} (or --dtype {asked})")
         fp8 = [x for x in d.kv_cache_dtypes if x.startswith("float8")]
         why = "the compute dtype"
         if fp8:  # lossy: asked for, never picked (its speed and accuracy measured in docs/performance.md)

@@ -293,7 +293,7 @@ class HostProgram:
         if kv_caches and kv_caches[0][0].dtype != self.kv_dtype:  # the kernels would read the bytes as their own type
             raise TypeError(f"host program: KV caches of {kv_caches[0][0].dtype}, but its attention kernels read "
                             f"{self.kv_dtype} caches (program.json kv_cache_dtype); allocate them with "
-                            "host_support.kv_cache_dtype(executable)")
+                            "portlayer.codegen.host_support.kv_cache_dtype(executable)")
         if self.INPUTS and feeds[self.INPUTS[0]].dim():
             T = int(feeds[self.INPUTS[0]].shape[0])  # noqa: N806
         else:  # a graph without a token-stream input: the step's size comes from its metadata

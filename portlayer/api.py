@@ -124,8 +124,9 @@ def compile(  # noqa: A001 - the public name users expect
     targets ship kernel sources but no compiled binaries (default: $PORTLAYER_SOURCES_ONLY=1, else binaries).
     ``tensor_parallel``: N ranks or "auto" (docs/parallel.md). ``calibration_device``: where an int8/int4 compile
     runs its calibration and quality gate (default cpu; "cuda" on a GPU host, where a big model's calibration on
-    the CPU takes minutes; docs/quantization.md). ``kv_cache_dtype``: the KV cache's element type instead of the
-    Plan's pick (float8_e4m3fn where the descriptor's kernels read it, else the compute dtype; docs/performance.md).
+    the CPU takes minutes; docs/quantization.md). ``kv_cache_dtype``: the KV cache's element type: float8_e4m3fn
+    where the descriptor's kernels read it (twice the tokens a GiB, lossy; docs/performance.md), else the compute dtype,
+    which the Plan keeps by default.
     """
     from portlayer.build import Stages, resolve_target
     from portlayer.runtime import cache

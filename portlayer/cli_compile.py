@@ -20,8 +20,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", default=None, choices=("none", "int8", "int4", "native"),
                    help="weight-only quantization (native: keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks)")
     p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
-                   help="the KV cache's element type (float8_e4m3fn / fp8, bfloat16, float16, float32; default: the "
-                        "Plan's pick, fp8 where the descriptor's kernels read it)")
+                   help="the KV cache's element type: float8_e4m3fn (fp8) where the descriptor's kernels read it "
+                        "(twice the tokens a GiB, lossy), else the compute dtype (the default)")
     p.add_argument("--strict", action="store_true", help="refuse a --quantize format below the quality gate (docs/quantization.md)")
     p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
                    help="shard over N ranks (torch.distributed; auto: the smallest N that fits), docs/parallel.md")

@@ -36,13 +36,14 @@ def _launches(loaded: Any, batch: int, context: int, steps: int = 5) -> dict[str
     """CUDA kernels per decode step at ``batch`` rows (torch.profiler device events / steps)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from portlayer.codegen.host_support import kv_cache_dtype
     from portlayer.flatten.logits import feed_last_rows
     from portlayer.runtime.validation import new_kv_cache, step_metadata
 
     exe, graph = loaded.executable(), loaded.graph
     dev = torch.device(exe.device)
     block = int(loaded.plan.value("kv_block_size") or 16) if "kv_block_size" in loaded.plan.names() else 16
-    caches = new_kv_cache(graph, batch, context + 1, block, exe.dtype, dev)
+    caches = new_kv_cache(graph, batch, context + 1, block, kv_cache_dtype(exe), dev)
     md = step_metadata([1] * batch, [context] * batch, block_size=block, max_len=context + 1, device=dev)
     fd = {"input_ids": torch.randint(0, int(graph.meta.get("vocab_size") or 2), (batch,)).to(dev),
           "positions": torch.full((batch,), context, dtype=torch.int64, device=dev)}

@@ -150,3 +150,46 @@ def test_decode_attention_splits_and_pages(tmp_path, monkeypatch, target, progra
 
     cus = 4 if target == "4sm" else 132
     assert decode_splits(len(seqs), hkv, programs * cus, 16 if target == "h200" else 2) == splits
+
+
+@pytest.mark.parametrize("target,programs", [("4sm", 1), ("h200", 2)], ids=["one-split", "sixteen-splits"])
+@pytest.mark.parametrize("kv", [None, "float8_e4m3fn"], ids=["fp32", "fp16-fp8cache"])
+def test_padded_graph_rows_read_as_empty_sequences(tmp_path, monkeypatch, target, programs, kv):
+    """A captured decode graph's rows past the batch hold no sequence (length 0, slot -1; HostProgram._pad_from): the
+    kernel writes zeros there on both the one-split (direct) and the many-split (reduce) path, and the real rows match
+    the reference op."""
+    hq, hkv, d = 4, 2, 16
+    dtype = torch.float32 if kv is None else torch.float16
+    graph = _graph(dtype, hq, hkv, d)
+    meta, kc, vc = paged_setup([(40, 1), (5, 1), (70, 1), (3, 1)], hkv, d, dtype, num_blocks=16, seed=2)
+    meta.seq_lens[[1, 3]] = 0
+    meta.slot_mapping[[1, 3]] = -1
+    desc = str(h200_few_sms(tmp_path)) if target == "4sm" else "nvidia-h200"
+    _, prog = build_program(graph, tmp_path / "p", target=desc, max_seqs=64, kv_cache_dtype=kv,
+                            launch={"attention_decode": _decode_cfg(d, 16, programs)})
+    kc, vc = kc.to(prog.kv_dtype), vc.to(prog.kv_dtype)
+    feeds = _feeds(4, hq, hkv, d, dtype)
+    (ours,) = prog.run(feeds, meta, [(kc.clone(), vc.clone())])
+    (want,) = reference(graph, feeds, meta, [(kc.clone(), vc.clone())])
+    assert torch.isfinite(ours).all() and float(ours[[1, 3]].abs().max()) == 0.0
+    assert rel_err(ours[[0, 2]], want[[0, 2]]) <= tol(dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("window", [0, 20])
+def test_mixed_step_decodes_after_prefills_at_one_split(tmp_path, monkeypatch, block_size, window):
+    """Decode sequences after prefills (the kernel's seq_offset) when the step takes one split: the decode kernel
+    writes the output itself and no reduce runs; against the reference op, across page sizes and a window."""
+    hq, hkv, d, dtype = 4, 2, 16, torch.float32
+    graph = _graph(dtype, hq, hkv, d, **({"sliding_window": window} if window else {}))
+    meta, kc, vc = paged_setup([(0, 7), (30, 5), (20, 1), (33, 1), (90, 1)], hkv, d, dtype, block_size=block_size,
+                               num_blocks=40, seed=5)
+    launches: list[str] = []
+    record_launches(monkeypatch, launches)
+    _, prog = build_program(graph, tmp_path / "p", target=str(h200_few_sms(tmp_path)), max_seqs=64,
+                            launch={"attention_decode": _decode_cfg(d, 64, 1)})
+    feeds = _feeds(int(meta.query_start_loc[-1]), hq, hkv, d, dtype)
+    (ours,) = prog.run(feeds, meta, [(kc.clone(), vc.clone())])
+    (want,) = reference(graph, feeds, meta, [(kc.clone(), vc.clone())])
+    assert any(n.startswith("attn_decode") for n in launches) and not any(n.endswith("_reduce") for n in launches)
+    assert rel_err(ours, want) <= tol(dtype)

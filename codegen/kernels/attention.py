@@ -59,7 +59,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
     const.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=c["BLOCK_D"])
     if paged:
-        const["BLOCK_SIZE"] = 16
+        const["BLOCK_SIZE"] = ctx.kv_block_size  # binaries are compiled for the Plan's page size
     const.update(WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
     kv = c["cache_dtype"] if paged else c["kv_dtype"]  # paged: K/V come from the cache
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_ptr", ptr(kv)), Param("v_ptr", ptr(kv)),
@@ -84,8 +84,9 @@ def build_decode(ctx: GenContext, node):
     cfg = ctx.cfg("attention_decode")
     splits = num_splits(ctx, c["HKV"])
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
-    const.update(BLOCK_SIZE=16, BLOCK_H=max(16, pow2(c["GROUP"])), BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]),
-                 BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits, WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
+    const.update(BLOCK_SIZE=ctx.kv_block_size, BLOCK_H=max(16, pow2(c["GROUP"])),
+                 BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]), BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits,
+                 WINDOW=c["WINDOW"], SOFTCAP=c["SOFTCAP"])
     kv = c["cache_dtype"]
     params = [Param("q_ptr", ptr(c["dtype"])), Param("k_cache_ptr", ptr(kv)), Param("v_cache_ptr", ptr(kv)),
               Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32"), Param("query_start_ptr", "*i32"),

@@ -32,6 +32,7 @@ class GenContext:
     wq_vendor_min_tokens: int = 0  # linear_wq: dequantize + vendor GEMM from these rows (0: never; gemm_rule)
     shared_memory_bytes: int = 48 * 1024  # per block, from the descriptor (tile choices of MoE kernels)
     kv_dtype: str | None = None  # the Plan's kv_cache_dtype (None: the attention's own K/V dtype)
+    kv_block_size: int = 16  # the Plan's kv_block_size: the page size the attention binaries are compiled for
     types: dict[str, TensorType] = field(init=False)
     nodes: dict[str, Node] = field(init=False)
 

@@ -126,6 +126,10 @@ class ProxyExecutable:
     def run(self, feeds: Mapping[str, torch.Tensor], attn_metadata: Any, kv_caches: Any) -> list[torch.Tensor]:
         if self.closed:
             raise TensorParallelGroupError("the group was closed; open the artifact again")
+        if kv_caches and self.kv_dtype is not None and kv_caches[0][0].dtype != self.kv_dtype:
+            # refused before the broadcast: the workers would allocate the same caches and fail with it
+            raise TypeError(f"tensor-parallel program: KV caches of {kv_caches[0][0].dtype}, its attention reads "
+                            f"{self.kv_dtype} caches; allocate them with portlayer.codegen.host_support.kv_cache_dtype")
         self._check()
         self.in_step = True
         try:
