@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from portlayer.flatten.op_defs.attention import visible_keys, write_kv_cache
+from portlayer.flatten.op_defs.attention import cache_bytes, visible_keys, write_kv_cache
 
 
 @dataclass
@@ -91,8 +91,9 @@ def _gather(src: torch.Tensor, rows: torch.Tensor, st: Any, name: str) -> torch.
     demand): a fresh tensor of this size (tens of MB at batch 64) is fresh pages from the OS each time,
     and on the CPU the page faults cost ~3x the copy itself (0.6B shape, 64 x 129 rows: 29 vs 8.6 ms).
     A float8 cache is gathered as its bytes (index_select has no float8 kernel on the CPU)."""
-    if src.dtype.itemsize == 1 and src.dtype.is_floating_point:
-        return _gather(src.view(torch.uint8), rows, st, name).view(src.dtype)
+    raw = cache_bytes(src)
+    if raw is not src:
+        return _gather(raw, rows, st, name).view(src.dtype)
     ws = getattr(st, "workspace", None)
     if ws is None:
         return src.index_select(0, rows)

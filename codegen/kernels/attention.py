@@ -18,11 +18,6 @@ def max_splits(compute_units: int, num_kv_heads: int) -> int:
     return max(1, min(16, pow2(max(1, compute_units // max(1, num_kv_heads)))))
 
 
-def num_splits(ctx: GenContext, num_kv_heads: int) -> int:
-    """max_splits for this program's device."""
-    return max_splits(ctx.compute_units, num_kv_heads)
-
-
 def decode_block_n(cfg: dict[str, Any], block_d: int) -> int:
     """Tokens a decode-attention program reads a step: launch.attention_decode's TILE (elements of its K tile) over
     the head's padded width, a power of two in [16, 256] (16: tl.dot's smallest tile)."""
@@ -82,7 +77,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
 def build_decode(ctx: GenContext, node):
     c = _common(ctx, node)
     cfg = ctx.cfg("attention_decode")
-    splits = num_splits(ctx, c["HKV"])
+    splits = max_splits(ctx.compute_units, c["HKV"])
     const = {k: c[k] for k in ("HQ", "HKV", "D", "GROUP")}
     const.update(BLOCK_SIZE=ctx.kv_block_size, BLOCK_H=max(16, pow2(c["GROUP"])),
                  BLOCK_N=decode_block_n(cfg, c["BLOCK_D"]), BLOCK_D=c["BLOCK_D"], NUM_SPLITS=splits,

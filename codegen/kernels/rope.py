@@ -4,6 +4,7 @@ optional per-head rms_norm prologues (Qwen3's q_norm / k_norm) fused in front.""
 from __future__ import annotations
 
 from portlayer.codegen.expr import Unsupported
+from portlayer.codegen.kernels.attention import is_fp8
 from portlayer.codegen.kernels.context import GenContext, host_numel, make_kernel, round_dtype
 from portlayer.codegen.lowering import GroupCode, GroupQuery, KernelGroup, Unlowerable
 from portlayer.codegen.spec import Param, pow2, ptr, short_dtype
@@ -122,7 +123,7 @@ def build_rope(ctx: GenContext, group: KernelGroup) -> GroupCode:
     kv_const = {**const, "BLOCK_V": pow2(d)}
     kspec = make_kernel("triton/rope.py.j2", "rope", "kv_" + variant, kv_params, kv_const, cfg["num_warps"],
                         doc=doc + ", writing K and V into the paged cache.", style=style, partial=partial,
-                        norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=True, kv_fp8=kc.startswith("float8"))
+                        norms=norm_cfg, round_dtype=round_dtype(dt), kv_write=True, kv_fp8=is_fp8(kc))
     kv_line = (f"K.{kspec.name}[({n},)]({', '.join(args)}, {v}, k_cache, v_cache, st.slot_mapping, {q.outputs[0].name}, "
                f"{k_out}, {n}{eps_args}, {consts}, BLOCK_V={pow2(d)}, num_warps={cfg['num_warps']})")
     lines = ["if st.paged and st.slot_mapping is not None:  # fuse: this kernel writes the KV cache (attention reads it)",
