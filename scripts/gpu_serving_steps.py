@@ -44,7 +44,9 @@ def main() -> int:
     eng = LLMEngine.from_artifact(a.artifact, enable_prefix_caching=False)
     exe = eng.executable
     shapes: list[tuple[int, int, int]] = []
-    inner = exe.run
+    issues: list[float] = []  # host time inside exe.run (launching the step), per step
+    prepares: list[float] = []  # host time building the step's inputs (ModelRunner.prepare)
+    inner, prep = exe.run, eng.runner.prepare
 
     def run(feeds, meta, kv):  # noqa: ANN001, ANN202 - records each step's composition
         first = next(iter(feeds.values()))
@@ -52,9 +54,19 @@ def main() -> int:
         n = int(meta.seq_lens.shape[0]) if meta is not None else 0
         pre = int(meta.num_prefills) if meta is not None else 0
         shapes.append((t, n, pre))
-        return inner(feeds, meta, kv)
+        t0 = time.perf_counter()
+        out = inner(feeds, meta, kv)
+        issues.append(time.perf_counter() - t0)
+        return out
+
+    def prepare(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        out = prep(*args, **kwargs)
+        prepares.append(time.perf_counter() - t0)
+        return out
 
     exe.run = run
+    eng.runner.prepare = prepare
     walls: list[float] = []
     step = eng.step
 
@@ -75,15 +87,19 @@ def main() -> int:
     res = run_serving(eng, args)
     if prof is not None:
         prof.__exit__(None, None, None)
-    kinds: dict[str, list[float]] = defaultdict(list)
-    for (t, n, pre), w in zip(shapes, walls):
-        kinds[f"decode b{bucket(n)}" if pre == 0 else f"mixed {bucket(t)} tokens"].append(w)
-    rows = [{"kind": k, "steps": len(v), "seconds": round(sum(v), 3), "mean_ms": round(1e3 * sum(v) / len(v), 3)}
-            for k, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]
+    kinds: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    for (t, n, pre), w, iss, prp in zip(shapes, walls, issues, prepares):
+        kinds[f"decode b{bucket(n)}" if pre == 0 else f"mixed {bucket(t)} tokens"].append((w, iss, prp))
+    rows = [{"kind": k, "steps": len(v), "seconds": round(sum(x[0] for x in v), 3),
+             "mean_ms": round(1e3 * sum(x[0] for x in v) / len(v), 3),
+             "issue_ms": round(1e3 * sum(x[1] for x in v) / len(v), 3),
+             "prepare_ms": round(1e3 * sum(x[2] for x in v) / len(v), 3)}
+            for k, v in sorted(kinds.items(), key=lambda kv: -sum(x[0] for x in kv[1]))]
     print(json.dumps(res))
-    print(f"{'kind':28s} {'steps':>6s} {'seconds':>8s} {'mean ms':>8s}")
+    print(f"{'kind':28s} {'steps':>6s} {'seconds':>8s} {'mean ms':>8s} {'issue ms':>9s} {'prepare ms':>10s}")
     for r in rows:
-        print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f}")
+        print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f} {r['issue_ms']:9.3f} "
+              f"{r['prepare_ms']:10.3f}")
     out = {"serving": res, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls)}
     if prof is not None:
         by = defaultdict(lambda: [0.0, 0])
