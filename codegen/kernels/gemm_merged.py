@@ -79,14 +79,16 @@ def merged_siblings(ctx: GenContext, linears: list[Node], code: GroupCode) -> li
 
 
 def merged_joint(ctx: GenContext, linears: list[Node], epilogue: list[Node], out_name: str, code: GroupCode) -> list[str]:
-    """One GEMM of equal-N linears, then the epilogue reading each linear's columns of the temporary."""
+    """One GEMM of equal-N linears, then the epilogue reading each linear's columns of the temporary: a
+    program per (row, block of columns), so each load is one contiguous run of a row."""
     n = int(ctx.types[linears[0].inputs[1]].shape[0])
     width = n * len(linears)
     out_t = ctx.types[out_name]
     body = lower_chain(epilogue, ctx.types, out_t.shape, IndexContext(full="offs", mask="mask"))
     column = {lin.outputs[0].name: i * n for i, lin in enumerate(linears)}
     cfg = ctx.cfg("pointwise")
-    loads, params, args = [f"row = offs // {n}", f"col = offs % {n}"], [Param("c_ptr", ptr(linears[0].outputs[0].type.dtype))], [TMP]
+    block = min(int(cfg["BLOCK"]), 1 << max(4, (n - 1).bit_length()))
+    loads, params, args = [], [Param("c_ptr", ptr(linears[0].outputs[0].type.dtype))], [TMP]
     ptrs = ["c_ptr"]
     for op in body.operands:
         if op.value in column:  # a linear's output: its columns of the temporary
@@ -97,17 +99,17 @@ def merged_joint(ctx: GenContext, linears: list[Node], epilogue: list[Node], out
             params.append(Param(f"{op.var}_ptr", ptr(op.dtype)))
             ptrs.append(f"{op.var}_ptr")
             args.append(op.value)
-    params += [Param("out0_ptr", ptr(out_t.dtype)), Param("n_elements", "i32"), Param("BLOCK", "constexpr")]
+    params += [Param("out0_ptr", ptr(out_t.dtype)), Param("BLOCK", "constexpr")]
     ptrs.append("out0_ptr")
     ops = [e.op for e in epilogue]
     spec = make_kernel(
-        "triton/pointwise.py.j2", "pointwise", "_".join(ops[:4]) + f"_cols{len(linears)}", params, {"BLOCK": cfg["BLOCK"]},
+        "triton/pointwise.py.j2", "pointwise", "_".join(ops[:4]) + f"_cols{len(linears)}", params, {"BLOCK": block},
         cfg["num_warps"], doc=f"Fused pointwise: {' -> '.join(ops)}, over the columns of one [rows, {width}] GEMM output.",
         ptrs=ptrs, loads=loads, lines=body.lines, stores=[{"ptr": "out0_ptr", "var": body.results[out_name]}],
-        out_shape=list(out_t.shape))
+        out_shape=list(out_t.shape), cols=n)
     code.kernels.append(spec)
-    total = host_numel(out_t.shape)
+    rows = host_numel(out_t.shape[:-1])
     return [*_gemm_lines(ctx, linears, code),
-            f"K.{spec.name}[(triton.cdiv({total}, {cfg['BLOCK']}),)]({', '.join(args)}, {out_name}, {total}, "
-            f"BLOCK={cfg['BLOCK']}, num_warps={cfg['num_warps']})",
+            f"K.{spec.name}[({rows}, triton.cdiv({n}, {block}))]({', '.join(args)}, {out_name}, "
+            f"BLOCK={block}, num_warps={cfg['num_warps']})",
             f"del {TMP}"]

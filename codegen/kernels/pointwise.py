@@ -39,7 +39,7 @@ def build_pointwise(ctx: GenContext, group: KernelGroup, nodes: list[Node] | Non
     params += [Param("n_elements", "i32"), Param("BLOCK", "constexpr")]
     spec = make_kernel(
         "triton/pointwise.py.j2", "pointwise", "_".join(ops[:4]), params, {"BLOCK": cfg["BLOCK"]},
-        cfg["num_warps"], doc=f"Fused pointwise: {' -> '.join(ops)}.", ptrs=ptrs, loads=loads, lines=body.lines, stores=stores, out_shape=list(out_shape),
+        cfg["num_warps"], doc=f"Fused pointwise: {' -> '.join(ops)}.", ptrs=ptrs, loads=loads, lines=body.lines, stores=stores, out_shape=list(out_shape), cols=0,
     )
     n = host_numel(out_shape)
     args = ", ".join([op.value for op in body.operands] + list(outputs))

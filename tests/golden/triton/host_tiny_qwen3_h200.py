@@ -26,7 +26,7 @@ class Program(HostProgram):
         "gemv_j2_add_rms_epi_silu_mul_bf16_bb2fab",
         "gemv_x3_add_rms_bf16_8c36dd",
         "gemv_x3_rms_bf16_c55491",
-        "pointwise_silu_mul_cols2_e10d1e",
+        "pointwise_silu_mul_cols2_deab1c",
         "pointwise_split3_bf16_bce10d",
         "reduction_add_nosum_rms_norm_bf16_effee7",
         "reduction_add_rms_norm_bf16_e08443",
@@ -120,7 +120,7 @@ class Program(HostProgram):
         else:
             K.reduction_add_rms_norm_bf16_e08443[(T,)](embed_tokens_embedding, l0_self_attn_o_proj, l0_add, W.model_layers_0_post_attention_layernorm_weight, l0_post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(l0_post_attention_layernorm_rms_norm, W_T(W.model_layers_0_mlp_gate_proj_weight_cat2))  # l0_mlp_gate_proj | l0_mlp_up_proj: one GEMM
-            K.pointwise_silu_mul_cols2_e10d1e[(triton.cdiv(T * 128, 1024),)](cat_tmp, l0_mlp_mul, T * 128, BLOCK=1024, num_warps=4)
+            K.pointwise_silu_mul_cols2_deab1c[(T, triton.cdiv(128, 128))](cat_tmp, l0_mlp_mul, BLOCK=128, num_warps=4)
             del cat_tmp
 
         # l0_mlp_down_proj: triton.gemm [linear]
@@ -224,7 +224,7 @@ class Program(HostProgram):
         else:
             K.reduction_add_rms_norm_bf16_e08443[(T,)](add_1_prev, self_attn_o_proj, add, P.post_attention_layernorm_weight, post_attention_layernorm_rms_norm, T, 1e-06, N=64, BLOCK_N=64, num_warps=1)
             cat_tmp = torch.mm(post_attention_layernorm_rms_norm, W_T(P.mlp_gate_proj_weight_cat2))  # mlp_gate_proj | mlp_up_proj: one GEMM
-            K.pointwise_silu_mul_cols2_e10d1e[(triton.cdiv(T * 128, 1024),)](cat_tmp, mlp_mul, T * 128, BLOCK=1024, num_warps=4)
+            K.pointwise_silu_mul_cols2_deab1c[(T, triton.cdiv(128, 128))](cat_tmp, mlp_mul, BLOCK=128, num_warps=4)
             del cat_tmp
 
         # mlp_down_proj: triton.gemm [linear]

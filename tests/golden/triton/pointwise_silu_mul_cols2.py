@@ -9,22 +9,21 @@ except ImportError:
 
 
 @triton.jit
-def pointwise_silu_mul_cols2_e10d1e(
+def pointwise_silu_mul_cols2_deab1c(
     c_ptr,
     out0_ptr,
-    n_elements,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
         gdc_wait()
         gdc_launch_dependents()
-    # One program writes BLOCK consecutive elements of the output(s).
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    row = offs // 128
-    col = offs % 128
+    # Program (row, j) writes columns [j * BLOCK, (j + 1) * BLOCK) of one row of the [rows, 128] output:
+    # its loads and stores are contiguous runs (a flat index split by // and % 128 would not vectorize).
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < 128
+    offs = row * 128 + col
     x0 = tl.load(c_ptr + row * 256 + 0 + col, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(c_ptr + row * 256 + 128 + col, mask=mask, other=0).to(tl.float32)
     t0 = x0 * tl.sigmoid(x0)  # silu
