@@ -92,14 +92,17 @@ def main() -> int:
         kinds[f"decode b{bucket(n)}" if pre == 0 else f"mixed {bucket(t)} tokens"].append((w, iss, prp))
     rows = [{"kind": k, "steps": len(v), "seconds": round(sum(x[0] for x in v), 3),
              "mean_ms": round(1e3 * sum(x[0] for x in v) / len(v), 3),
+             "median_ms": round(1e3 * sorted(x[0] for x in v)[len(v) // 2], 3),
+             "max_ms": round(1e3 * max(x[0] for x in v), 3),
              "issue_ms": round(1e3 * sum(x[1] for x in v) / len(v), 3),
              "prepare_ms": round(1e3 * sum(x[2] for x in v) / len(v), 3)}
             for k, v in sorted(kinds.items(), key=lambda kv: -sum(x[0] for x in kv[1]))]
     print(json.dumps(res))
-    print(f"{'kind':28s} {'steps':>6s} {'seconds':>8s} {'mean ms':>8s} {'issue ms':>9s} {'prepare ms':>10s}")
+    print(f"{'kind':28s} {'steps':>6s} {'seconds':>8s} {'mean ms':>8s} {'median':>8s} {'max':>8s} {'issue ms':>9s} "
+          f"{'prepare ms':>10s}")
     for r in rows:
-        print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f} {r['issue_ms']:9.3f} "
-              f"{r['prepare_ms']:10.3f}")
+        print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f} {r['median_ms']:8.3f} "
+              f"{r['max_ms']:8.3f} {r['issue_ms']:9.3f} {r['prepare_ms']:10.3f}")
     out = {"serving": res, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls)}
     if prof is not None:
         by = defaultdict(lambda: [0.0, 0])
