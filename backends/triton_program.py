@@ -43,6 +43,7 @@ def load_program(artifact_dir: Path | str, weights: Mapping[str, torch.Tensor], 
     triton_cache_dir()
     if plan is not None:
         options.setdefault("capture_sizes", plan.graph_capture_sizes)
+        options.setdefault("step_sizes", plan.step_graph_tokens)
         options.setdefault("max_tokens", plan.max_batched_tokens)
         options.setdefault("max_seqs", plan.max_num_seqs)
     return load(artifact_dir, weights, device, **options)

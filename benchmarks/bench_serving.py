@@ -143,6 +143,34 @@ def run_serving(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
             "preemptions": eng.stats["preemptions"]}  # fmt: skip
 
 
+def run_eager_check(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The same greedy requests (``--check-eager`` of them, lengths as serving's, ``--check-tokens`` out) on the
+    engine as it runs (CUDA graphs, overlapped steps), then with graphs and overlap off: how many sequences'
+    tokens are equal, and where the others first differ (the padded graph GEMMs may round differently)."""
+    from portlayer.runtime.sequence import SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed + 11)
+    vocab = int(eng.meta["vocab_size"])
+    lens = torch.randint(args.min_len, args.max_len + 1, (args.check_eager,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(temperature=0.0, max_tokens=args.check_tokens, ignore_eos=True)
+    fast = [o.token_ids for o in eng.generate(prompts, params)]
+    exe = eng.executable
+    graphs, overlap = getattr(exe, "use_graphs", False), eng.overlap
+    if graphs:
+        exe.use_graphs = False
+    eng.overlap = False
+    try:
+        slow = [o.token_ids for o in eng.generate(prompts, params)]
+    finally:
+        if graphs:
+            exe.use_graphs = True
+        eng.overlap = overlap
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(fast, slow)]
+    return {"seqs": len(prompts), "tokens_each": args.check_tokens, "equal_seqs": sum(f is None for f in first),
+            "first_difference_at": sorted(f for f in first if f is not None)}
+
+
 def run_first_request(eng: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The first request after load: a 128-token prompt, one token out (anything compiled or
     captured on first use is in this figure)."""
@@ -247,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--first-request", action="store_true", help="time the first request after load (before anything else)")
     p.add_argument("--prefill", default=None, metavar="NxL", help="time N prompts of L tokens (one output token each)")
+    p.add_argument("--check-eager", type=int, default=0, metavar="N",
+                   help="after serving: N greedy requests with graphs and overlap, then without; are the tokens equal")
+    p.add_argument("--check-tokens", type=int, default=64, help="output tokens per --check-eager request")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the timed decode steps (host overhead)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
@@ -271,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_serving:
         result["serving"] = run_serving(eng, args)
         print(f"[bench] serving: {json.dumps(result['serving'])}", file=sys.stderr)
+    if args.check_eager:
+        result["eager_check"] = run_eager_check(eng, args)
+        print(f"[bench] eager check: {json.dumps(result['eager_check'])}", file=sys.stderr)
     result["decode"] = []
     for b in (int(x) for x in args.decode_batches.split(",") if x):
         result["decode"].append(run_decode(eng, b, args))

@@ -106,6 +106,11 @@ class Plan:
         return self.value("graph_capture_sizes")
 
     @property
+    def step_graph_tokens(self) -> list[int]:
+        """Token buckets of step graphs (steps with prefill tokens); none in a Plan made before the decision."""
+        return self.value("step_graph_tokens") if "step_graph_tokens" in self.names() else []
+
+    @property
     def max_fused_inputs(self) -> int:
         return self.value("max_fused_inputs")
 

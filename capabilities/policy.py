@@ -296,6 +296,22 @@ class _Negotiation:
         sizes = [s for s in [1, 2, 4, 8, *range(16, 257, 16)] if s <= top]
         self.add("graph_capture_sizes", sizes, f"graph_capture feature: buckets 1,2,4,8 then every 16 up to max_num_seqs {top}")
 
+    def step_graph_tokens(self) -> None:
+        """Token buckets of the CUDA graphs of steps with prefill tokens (codegen/step_graphs.py): eager, such a
+        step launches ~12 kernels a layer from the host, slower than its kernels run (session 18, the H200)."""
+        d = self.d
+        if not self.v["graph_capture_sizes"] or d.codegen != "triton":
+            why = ("no decode graphs" if not self.v["graph_capture_sizes"] else
+                   f"codegen {d.codegen!r} captures no step graphs")
+            self.add("step_graph_tokens", [], f"{why}: steps with prefill tokens launch their kernels eagerly")
+            return
+        top = self.v["max_batched_tokens"]
+        sizes = [s for s in (16, 32, 64, 128) if s < top] + list(range(256, top + 1, 256))
+        if not sizes or sizes[-1] != top:
+            sizes.append(top)
+        self.add("step_graph_tokens", sizes, f"graph_capture feature, Triton codegen: 16..128 doubling, then every 256 "
+                 f"up to max_batched_tokens {top} (a step pads its tokens to the next bucket)")
+
     # ---- kernels -------------------------------------------------------------------
     def launch_configs(self) -> None:
         d = self.d
@@ -427,7 +443,7 @@ def negotiate(
     for step in (
         n.compute_dtype, n.tensor_parallel, n.weight_quantization, n.buffer_alignment, n.kv_cache_dtype, n.kv_block_size,
         n.prefill_chunk_size,
-        n.max_batched_tokens, n.kv_cache_budget, n.max_num_seqs, n.graph_capture_sizes, n.launch_configs,
+        n.max_batched_tokens, n.kv_cache_budget, n.max_num_seqs, n.graph_capture_sizes, n.step_graph_tokens, n.launch_configs,
         n.max_fused_inputs,
     ):  # fmt: skip
         step()

@@ -37,10 +37,23 @@ class GeneratedProgram:
     layout: dict[str, Any] = field(default_factory=dict)  # program.json (program_layout)
     merged: dict[str, list[str]] = field(default_factory=dict)  # weights concatenated at load (GroupCode.merged)
     calls: list[str] = field(default_factory=list)  # vendor calls used (CANN)
+    step_bound: list[str] = field(default_factory=list)  # groups whose host lines read the step's host-side layout
+
+    @property
+    def step_graphs(self) -> bool:
+        """Steps with prefill tokens may be captured as CUDA graphs (codegen/step_graphs.py): no group's launch
+        depends on how the step's tokens split into sequences beyond what its kernels read on the device."""
+        return not self.step_bound
 
     def kernel_sources(self) -> dict[str, str]:
         """One module per kernel; the decode reduce kernel lives in its decode kernel's module."""
         return {n: k.source for n, k in self.kernels.items() if "module" not in k.extra}
+
+
+#: Ops that read the step's sequence layout (attention metadata), and the lowerings of them whose launches depend
+#: only on the step's token and sequence counts (grids of T and S; the layout is read on the device).
+STEP_OPS = ("attention", "mla_attention", "pooling")
+STEP_SAFE_IMPLS = ("triton.paged_attention", "triton.mla_attention")
 
 
 def weights_prefixed(lines: list[str], params: set[str]) -> list[str]:
@@ -122,6 +135,8 @@ def _group_blocks(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: Low
                 first.add_variant(k)
         if g.impl == "reference":
             out.fallbacks.append((g.name, f"{', '.join(n.op for n in g.nodes)}: no implementation accepted it"))
+        if any(n.op in STEP_OPS for n in g.nodes) and g.impl not in STEP_SAFE_IMPLS:
+            out.step_bound.append(g.name)
         members = g.pre_views + g.nodes + g.post_views
         made = [v.name for n in members for v in n.outputs]
         reads = [i for n in members for i in n.inputs if i is not None and i not in params and i not in made]
@@ -157,7 +172,8 @@ def generate_program(graph: Graph, ctx: GenContext, lower: LowerFn, view_lower: 
         params=[(k, t.dtype) for k, t in graph.params.items()], lines=prog.lines, methods=prog.methods,
         max_positions=int(graph.meta.get("max_positions") or 4096), scratch=_scratch(out.kernels),
         n_buffers=len(table.get("buffers", {})), arena=table.get("arena_bytes", 0),
-        n_kernels=len(out.kernel_sources()), fallbacks=out.fallbacks, **dict(extra() if extra else {}),
+        n_kernels=len(out.kernel_sources()), fallbacks=out.fallbacks, step_graphs=out.step_graphs,
+        **dict(extra() if extra else {}),
     )
     return out
 

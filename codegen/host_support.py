@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from portlayer.codegen.step_graphs import StepGraphFailed, StepGraphs
+from portlayer.codegen.step_graphs import enabled as step_graphs_enabled
 from portlayer.flatten.ir import torch_dtype
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 
@@ -162,6 +164,9 @@ class StepState:
     # Buffers kept across steps by the program for this thread (torch-family ops that would otherwise
     # allocate a large fresh tensor per layer and step: codegen/torch_attention.py's KV gathers).
     workspace: dict[str, torch.Tensor] | None = None
+    # The sequence the decode kernels' first program serves: the first decode of an eager step (prefills come
+    # first), 0 in a captured step (one program per sequence slot; those of prefills and empty slots return).
+    decode_offset: int = 0
 
     @staticmethod
     def build(meta: AttentionMetadata | None, num_tokens: int, device: torch.device,
@@ -180,14 +185,16 @@ class StepState:
         prefills = meta.num_prefills if paged else n
         return StepState(num_tokens, n, prefills, n - prefills, max_q, qsl, seq_lens, slots if paged else None,
                          bt, bt.stride(0) if bt is not None else 0,
-                         int(kv_caches[0][0].shape[1]) if paged else 16, paged, meta, kv_caches, device)
+                         int(kv_caches[0][0].shape[1]) if paged else 16, paged, meta, kv_caches, device,
+                         decode_offset=prefills)
 
 
-class HostProgram:
+class HostProgram(StepGraphs):
     """Base of generated programs. Subclasses set KERNELS, INPUTS, OUTPUTS and ``forward`` (and
     one method per folded layer); ``layout`` (program.json) says the weights and their dtypes, the
     arena's size and buffers (offsets from the memory plan) and the per-layer namespaces. This class
-    allocates once and runs steps (CUDA graphs for decode steps whose batch fits a captured size)."""
+    allocates once and runs steps: CUDA graphs for decode steps whose batch fits a captured size, and
+    (codegen/step_graphs.py) for steps with prefill tokens up to the largest ``step_sizes`` bucket."""
 
     KERNELS: tuple[str, ...] = ()
     SCRATCH: tuple[int, int] = (0, 0)  # decode split-K partials per sequence: (outputs, maxima)
@@ -203,7 +210,7 @@ class HostProgram:
     def __init__(self, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", *,
                  layout: Mapping[str, Any], kernels_dir: Path | str | None = None, kernels: Any = None,
                  max_tokens: int | None = None, max_seqs: int = 256, capture_sizes: Sequence[int] = (),
-                 use_graphs: bool = True, sources: Any = None) -> None:
+                 step_sizes: Sequence[int] = (), use_graphs: bool = True, sources: Any = None) -> None:
         self.device = torch.device(device)
         self.layout = layout
         dtypes = dict(layout["params"])
@@ -231,7 +238,8 @@ class HostProgram:
         self.max_seqs = max(max_seqs, 1)
         self._buffers = {v: (info["dtype"], tuple(info["shape"]), int(info["offset"]))
                          for v, info in layout.get("buffers", {}).items()}
-        self.arena = torch.empty(int(layout.get("arena_bytes") or 0) + 256, dtype=torch.uint8, device=self.device)
+        # zeroed once: rows no sequence owns in a padded step graph are computed on, and hold finite values
+        self.arena = torch.zeros(int(layout.get("arena_bytes") or 0) + 256, dtype=torch.uint8, device=self.device)
         self._workspaces = threading.local()  # per thread: embedding batches run side by side on one program
         self._layers = {m["method"]: m for m in layout.get("layers", [])}
         self.P = {name: {i: SimpleNamespace(**{loc: getattr(self.W, t.format(i + d)) for loc, (t, d) in m["params"].items()})
@@ -246,6 +254,9 @@ class HostProgram:
         self.use_graphs = use_graphs and self.device.type == "cuda" and bool(self.capture_sizes)
         self._graphs: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
         self._static: SimpleNamespace | None = None
+        # step graphs' token buckets (codegen/step_graphs.py; none with PORTLAYER_STEP_GRAPHS=0)
+        self.step_sizes = sorted(t for t in step_sizes if 0 < t <= self.max_tokens) if step_graphs_enabled() else []
+        self._step: SimpleNamespace | None = None
 
     # ---- buffers ---------------------------------------------------------------------
     def _view(self, value: str, T: int, S: int) -> torch.Tensor:  # noqa: N803
@@ -300,6 +311,11 @@ class HostProgram:
             T = int(attn_metadata.query_start_loc[-1]) if attn_metadata is not None else 1  # noqa: N806
         if self._graphable(T, attn_metadata, kv_caches):
             return self._replay(T, feeds, attn_metadata, kv_caches)
+        if self._step_graphable(T, feeds, attn_metadata, kv_caches):
+            try:
+                return self._step_replay(T, feeds, attn_metadata, kv_caches)
+            except StepGraphFailed:  # said once (a warning); this and later such steps run eagerly
+                pass
         st = StepState.build(attn_metadata, T, self.device, kv_caches)
         st.workspace = self._workspaces.__dict__
         dev_feeds = {k: feeds[k].to(self.device, non_blocking=True) for k in self.INPUTS}
@@ -381,14 +397,15 @@ class HostProgram:
         for B in self.capture_sizes:  # noqa: N806
             if (B, pointers) not in self._graphs:
                 self._graphs[(B, pointers)] = self._capture(B, kv_caches)
-        return len(self.capture_sizes)
+        return len(self.capture_sizes) + self.capture_step_graphs(kv_caches)
 
     def graph_step_state(self, B: int, kv_caches: Any) -> tuple[StepState, dict[str, torch.Tensor]]:  # noqa: N803
         """The step state and feeds a decode graph of ``B`` sequences is captured with: views of the static
         buffers ``_replay`` copies each step's inputs into."""
         s = self._static_state(kv_caches)
         st = StepState(B, B, 0, B, 1, s.qsl[: B + 1], s.seq_lens[:B], s.slots[:B], s.block_tables[:B],
-                       s.block_tables.stride(0), int(kv_caches[0][0].shape[1]), True, None, kv_caches, self.device)
+                       s.block_tables.stride(0), int(kv_caches[0][0].shape[1]), True, None, kv_caches, self.device,
+                       decode_offset=0)
         return st, {k: v[:B] for k, v in s.feeds.items()}
 
     def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803

@@ -146,7 +146,10 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
         new_tokens = batch
     elif phase == "prefill":
         new_tokens = int(tokens or 128)
-        b, batch, context = {"num_tokens": new_tokens, "num_seqs": 1}, 1, 0
+        # a step graph (Plan step_graph_tokens, codegen/step_graphs.py) computes the tokens padded to its bucket
+        buckets = [int(s) for s in (_plan_value(plan, "step_graph_tokens", []) or []) if int(s) >= new_tokens]
+        padded = min(buckets) if buckets and descriptor.get("codegen") != "torch" else new_tokens
+        b, batch, context = {"num_tokens": padded, "num_seqs": 1}, 1, 0
     else:
         raise ValueError(f"cost model: phase {phase!r} is not decode or prefill")
     sym = graph.meta.get("token_symbol", "num_tokens")
@@ -157,7 +160,10 @@ def predict(graph: Graph, plan: Any, descriptor: Mapping[str, Any], phase: str =
     kv_dtype = _plan_value(plan, "kv_cache_dtype", None)
     torch_family = descriptor.get("codegen") == "torch"
     sizes = _plan_value(plan, "graph_capture_sizes", []) or []
-    graphs = phase == "decode" and not torch_family and any(int(s) >= batch for s in sizes)
+    if phase == "decode":
+        graphs = not torch_family and any(int(s) >= batch for s in sizes)
+    else:  # a prefill of up to the largest step-graph bucket replays a graph too
+        graphs = not torch_family and bool(buckets)
     per_launch = (curves.graph_launch_us if curves.graph_launch_us is not None else 1.0) if graphs else curves.launch_us
     if torch_family and curves.node_us:  # the host program calls each node's implementation: its measured cost
         per_launch = curves.node_us

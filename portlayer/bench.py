@@ -102,7 +102,8 @@ def decode_step(graph: Any, exe: Any, batch: int, context: int, block: int,
 
 def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_sizes: Sequence[int] = (1, 8),
           warmup: int = 2, iters: int = 10, rounds: int = 3) -> dict[str, Any]:
-    from portlayer.runtime.validation import step_metadata
+    from portlayer.codegen.host_support import kv_cache_dtype
+    from portlayer.runtime.validation import new_kv_cache, step_metadata
 
     exe = loaded.executable()
     graph = loaded.graph
@@ -121,17 +122,20 @@ def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_s
     }  # fmt: skip
     ids = torch.randint(0, vocab, (prefill_tokens,), generator=g).to(dev)
     feeds = {"input_ids": ids, "positions": torch.arange(prefill_tokens, device=dev)}
-    md = step_metadata([prefill_tokens], [0], block_size=None, max_len=prefill_tokens, device=dev)
+    # a causal LM's prefill as the engine runs it: into a paged KV cache (a step graph where the program has them)
+    pre_caches = (new_kv_cache(graph, 1, prefill_tokens + 1, block, kv_cache_dtype(exe), dev) if causal else None)
+    md = step_metadata([prefill_tokens], [0], block_size=block if causal else None, max_len=prefill_tokens + 1,
+                       device=dev)
     names = [v.name for v in graph.inputs]
     feed_last_rows(feeds, names, md)
-    steps = [lambda: exe.run(feeds, md, None)]
+    steps = [lambda: exe.run(feeds, md, pre_caches)]
     for b in batch_sizes if causal else ():
         fd, mdd, caches = decode_step(graph, exe, b, context, block, g)
         steps.append(lambda fd=fd, mdd=mdd, caches=caches: exe.run(fd, mdd, caches))
     with torch.inference_mode():
         timed = _timed_rounds(steps, dev, warmup, iters, rounds)
     p = timed[0]
-    report["prefill"] = {"tokens": prefill_tokens, "latency_ms": p["ms"], "tokens_per_s": prefill_tokens / p["ms"] * 1e3,
+    report["prefill"] = {"tokens": prefill_tokens, "paged": causal, "latency_ms": p["ms"], "tokens_per_s": prefill_tokens / p["ms"] * 1e3,
                          "min_ms": p["min_ms"], **({"cpu_ms": p["cpu_ms"]} if "cpu_ms" in p else {})}
     report["decode"] = []
     for b, t in zip(batch_sizes if causal else (), timed[1:]):

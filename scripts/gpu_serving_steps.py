@@ -41,8 +41,11 @@ def main() -> int:
 
     from portlayer.runtime.engine import LLMEngine
 
+    t0 = time.perf_counter()
     eng = LLMEngine.from_artifact(a.artifact, enable_prefix_caching=False)
     exe = eng.executable
+    load_s = time.perf_counter() - t0
+    print(f"engine loaded in {load_s:.2f} s ({len(getattr(exe, '_graphs', {}))} CUDA graphs captured)")
     shapes: list[tuple[int, int, int]] = []
     issues: list[float] = []  # host time inside exe.run (launching the step), per step
     prepares: list[float] = []  # host time building the step's inputs (ModelRunner.prepare)
@@ -103,7 +106,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f} {r['median_ms']:8.3f} "
               f"{r['max_ms']:8.3f} {r['issue_ms']:9.3f} {r['prepare_ms']:10.3f}")
-    out = {"serving": res, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls)}
+    out = {"serving": res, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls), "load_s": round(load_s, 2),
+           "graphs": len(getattr(exe, "_graphs", {}))}
     if prof is not None:
         by = defaultdict(lambda: [0.0, 0])
         for e in prof.events():

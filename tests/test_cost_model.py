@@ -23,6 +23,12 @@ def gpu():
     return run_pipeline(tiny_decoder(tied=False), "nvidia-h200")
 
 
+@pytest.fixture(scope="module")
+def gpu_eager():
+    """The H200 plan without step graphs: a prefill launches its kernels eagerly."""
+    return run_pipeline(tiny_decoder(tied=False), "nvidia-h200", overrides={"step_graph_tokens": []})
+
+
 def synthetic(name: str, bandwidth: float = 100.0, tflops: float = 1e6, launch: float = 1e-9) -> dict:
     raw = copy.deepcopy(dict(load_descriptor(name).raw))
     raw["memory"]["bandwidth_gbps"] = bandwidth
@@ -32,8 +38,8 @@ def synthetic(name: str, bandwidth: float = 100.0, tflops: float = 1e6, launch: 
     return raw
 
 
-def test_doubling_bandwidth_halves_memory_bound_time(cpu, gpu):
-    for res, name in ((cpu, "cpu-x86_64"), (gpu, "nvidia-h200")):
+def test_doubling_bandwidth_halves_memory_bound_time(cpu, gpu_eager):
+    for res, name in ((cpu, "cpu-x86_64"), (gpu_eager, "nvidia-h200")):
         t1 = predict(res.graph, res.plan, synthetic(name, bandwidth=50.0), "prefill", tokens=8)
         t2 = predict(res.graph, res.plan, synthetic(name, bandwidth=100.0), "prefill", tokens=8)
         assert t2.ms == pytest.approx(t1.ms / 2, rel=1e-6)
@@ -88,8 +94,21 @@ def test_graph_replay_only_for_captured_decode_batches(gpu, cpu):
     sizes = gpu.plan.value("graph_capture_sizes")
     assert predict(gpu.graph, gpu.plan, raw, "decode", batch=1).graphs
     assert not predict(gpu.graph, gpu.plan, raw, "decode", batch=max(sizes) + 1).graphs
-    assert not predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).graphs
     assert not predict(cpu.graph, cpu.plan, synthetic("cpu-x86_64"), "decode", batch=1).graphs
+
+
+def test_a_prefill_up_to_the_largest_step_graph_bucket_replays_one_padded_to_its_bucket(gpu, gpu_eager):
+    """Plan step_graph_tokens (codegen/step_graphs.py): a prefill of T tokens replays the graph of the smallest
+    bucket >= T, whose GEMMs run on the padded rows; past the largest bucket the step is eager."""
+    raw = synthetic("nvidia-h200", bandwidth=1e3, tflops=1e-3)  # compute-bound: time grows with the padded rows
+    buckets = gpu.plan.value("step_graph_tokens")
+    assert buckets and 100 not in buckets and 128 in buckets
+    p100, p128 = (predict(gpu.graph, gpu.plan, raw, "prefill", tokens=t) for t in (100, 128))
+    assert p100.graphs and p128.graphs and p100.host_ms == 0.0
+    linear = [g.us for g in p100.groups if g.bound == "compute"]
+    assert linear and linear == [g.us for g in p128.groups if g.bound == "compute"]
+    assert not predict(gpu.graph, gpu.plan, raw, "prefill", tokens=max(buckets) + 1).graphs
+    assert not predict(gpu_eager.graph, gpu_eager.plan, raw, "prefill", tokens=16).graphs
 
 
 def test_calibrated_curves_are_read():
@@ -369,11 +388,12 @@ def test_eager_generated_steps_pay_a_fixed_host_cost_plus_one_per_kernel(tmp_pat
     one-kernel step plus the difference for every further kernel (not the whole step per kernel), and each
     vendor GEMM the host dispatches as a torch op costs the calibrated eager torch-op launch; the launches and
     vendor GEMMs of an 8-token prefill are counted by running the generated program."""
-    fp32 = run_pipeline(tiny_decoder(tied=False), "nvidia-h200", overrides={"compute_dtype": "float32"})
+    fp32 = run_pipeline(tiny_decoder(tied=False), "nvidia-h200",
+                        overrides={"compute_dtype": "float32", "step_graph_tokens": []})  # no step graphs: eager
     kernels, vendor = _program_counts(fp32, [8], [0], tmp_path / "p8")
     raw = synthetic("nvidia-h200", bandwidth=1e12, tflops=1e12)
     raw["calibration"] = {"launch_us": {"eager_us": 5.0, "triton_us": 60.0, "triton_kernel_us": 10.0}}
-    p = predict(fp32.graph, fp32.plan, raw, "prefill", tokens=8)  # prefill: eager (graphs are for decode)
+    p = predict(fp32.graph, fp32.plan, raw, "prefill", tokens=8)
     assert not p.graphs and p.launches == kernels + vendor and vendor > 0
     assert p.host_ms == pytest.approx((50.0 + 10.0 * kernels + 5.0 * vendor) / 1e3, rel=1e-6)
     del raw["calibration"]["launch_us"]["triton_kernel_us"]
@@ -408,7 +428,7 @@ def test_calibrated_generated_attention_sets_the_decode_attention_time(gpu):
     assert attn(pre) == pytest.approx(attn(predict(gpu.graph, gpu.plan, raw, "prefill", tokens=64)), rel=1e-9)
 
 
-def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batch(gpu):
+def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batch(gpu, gpu_eager):
     """calibration.graph_step (a replayed decode step's host cost when each step is waited for, at two batches):
     a graph-replayed decode step is its kernels plus that cost at the step's batch (linear between the points)
     plus copying the outputs out of the static buffers; eager steps and uncalibrated descriptors are unchanged."""
@@ -423,7 +443,7 @@ def test_replayed_decode_step_adds_the_calibrated_host_cost_interpolated_in_batc
         assert p.graphs
         copy_us = 2 * b * out_row_bytes / (1000.0 * 1e3)
         assert p.ms - base[b].ms == pytest.approx((host + copy_us) / 1e3, rel=1e-6)
-    pre = [predict(gpu.graph, gpu.plan, r, "prefill", tokens=16).ms for r in (raw, synthetic("nvidia-h200", 1000.0))]
+    pre = [predict(gpu_eager.graph, gpu_eager.plan, r, "prefill", tokens=16).ms for r in (raw, synthetic("nvidia-h200", 1000.0))]
     assert pre[0] == pytest.approx(pre[1], rel=1e-9)
 
 
@@ -499,14 +519,14 @@ def test_each_input_the_calibrated_decode_step_lacked_costs_one_copy_call(gpu):
     assert with_inputs(n - 1) - with_inputs(n) == pytest.approx(3.0, rel=1e-6)
 
 
-def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(gpu):
+def test_each_graph_node_adds_its_calibrated_submission_cost_to_a_waited_replay(gpu, gpu_eager):
     """calibration.launch_us.graph_node_host_us: a replayed decode step pays it once per launch of the step
     (launches counted by the model from the graph's kernel groups); eager prefill does not."""
     raw = synthetic("nvidia-h200", bandwidth=1000.0)
     before = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
-    pre = predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms
+    pre = predict(gpu_eager.graph, gpu_eager.plan, raw, "prefill", tokens=16).ms
     raw["calibration"] = {"launch_us": {"eager_us": 1e-9, "graph_us": None, "graph_node_host_us": 0.75}}
     after = predict(gpu.graph, gpu.plan, raw, "decode", batch=4, context=32)
     assert after.launches == before.launches > 0
     assert after.ms - before.ms == pytest.approx(after.launches * 0.75 / 1e3, rel=1e-6)
-    assert predict(gpu.graph, gpu.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)
+    assert predict(gpu_eager.graph, gpu_eager.plan, raw, "prefill", tokens=16).ms == pytest.approx(pre, rel=1e-9)

@@ -60,7 +60,7 @@ def _decode_run(art, monkeypatch, replay: bool, buckets: list[int], steps: tuple
     seen: list = []
     current = [0]
     if replay:  # every step replays the graph of its bucket (the smallest capture size that holds it)
-        exe.use_graphs, exe.capture_sizes = True, list(buckets)
+        exe.use_graphs, exe.capture_sizes, exe.step_sizes = True, list(buckets), []  # the prefill stays eager
 
         def capture(B, kv):  # noqa: N803
             r = _Replayer(exe, B, kv, seen, lambda: current[0])

@@ -63,7 +63,7 @@ def build_prefill(ctx: GenContext, node, paged: bool):
         params += [Param("block_tables_ptr", "*i32"), Param("seq_lens_ptr", "*i32")]
     params.append(Param("query_start_ptr", "*i32"))
     if paged:
-        params.append(Param("bt_stride", "i32"))
+        params += [Param("bt_stride", "i32"), Param("num_seqs", "i32")]
     params += [Param("scale", "fp32")] + [Param(k, "constexpr") for k in const]
     mode = ("paged" if paged else "dense") + ("" if c["causal"] else "_bidir")
     spec = make_kernel("triton/attention_prefill.py.j2", "attn_prefill", f"{mode}_{short_dtype(c['dtype'])}", params,
@@ -118,13 +118,28 @@ def decode_lines(ctx: GenContext, dec, red, kconst: dict[str, Any], kcfg: dict[s
         f"        kv_splits = decode_splits(st.num_decodes, {kv_heads}, {target}, {kconst['NUM_SPLITS']})",
         f"        K.{dec.name}[(st.num_decodes, {kv_heads}, kv_splits)](",
         f"            {q}, {k_cache}, {v_cache}, st.block_tables, st.seq_lens, st.query_start_loc,",
-        f"            self.part_out, self.part_max, self.part_sum, {out}, st.num_prefills, st.bt_stride, kv_splits, {scale},",
+        f"            self.part_out, self.part_max, self.part_sum, {out}, st.decode_offset, st.bt_stride, kv_splits, {scale},",
         f"            {consts}, BLOCK_SIZE=st.block_size,",
         f"            num_warps={kcfg['num_warps']}, num_stages={kcfg['num_stages']})",
         "        if kv_splits > 1:",
         f"            K.{red.name}[(st.num_decodes, {q_heads})](",
-        f"                self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.num_prefills, kv_splits,",
+        f"                self.part_out, self.part_max, self.part_sum, st.query_start_loc, {out}, st.decode_offset, kv_splits,",
         f"                {rconsts}, num_warps={kcfg['num_warps']})",
+    ]
+
+
+def prefill_lines(pre, pconst: dict[str, Any], pcfg: dict[str, Any], q: str, k_cache: str, v_cache: str, out: str,
+                  q_heads: int, scale: str) -> list[str]:
+    """The host lines of a step's paged prefill attention (indented under ``if st.num_prefills:``): a grid of the
+    step's sizes alone (T // BLOCK_M + S programs a head; each finds its sequence on the device), so a CUDA graph
+    captured at T tokens and S sequence slots replays for any mix of prefill and decode sequences that fits."""
+    consts = ", ".join(f"{k}={v!r}" for k, v in pconst.items() if k != "BLOCK_SIZE")
+    return [
+        f"        K.{pre.name}[(T // {pconst['BLOCK_M']} + st.num_seqs, 1, {q_heads})](",
+        f"            {q}, {k_cache}, {v_cache}, {out}, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, "
+        f"st.num_seqs, {scale},",
+        f"            {consts}, BLOCK_SIZE=st.block_size,",
+        f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
     ]
 
 
@@ -168,10 +183,7 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
             f"        K.{cache.name}[(T,)]({k}, {v}, k_cache, v_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
             f"num_warps={cw})"]),
         "    if st.num_prefills:",
-        f"        K.{pre.name}[(triton.cdiv(st.max_query_len, {pconst['BLOCK_M']}), st.num_prefills, {c['HQ']})](",
-        f"            {q}, k_cache, v_cache, {out}, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, {s},",
-        f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
-        f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
+        *prefill_lines(pre, pconst, pcfg, q, "k_cache", "v_cache", out, c["HQ"], s),
         "    if st.num_decodes:",
         *decode_lines(ctx, dec, red, kconst, kcfg, q, "k_cache", "v_cache", out, c["HKV"], c["HQ"], s),
         "else:",

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import math
 
-from portlayer.codegen.kernels.attention import build_cache_write, build_decode, build_prefill, decode_lines
+from portlayer.codegen.kernels.attention import (
+    build_cache_write,
+    build_decode,
+    build_prefill,
+    decode_lines,
+    prefill_lines,
+)
 from portlayer.codegen.kernels.context import GenContext
 from portlayer.codegen.lowering import GroupCode, KernelGroup
 from portlayer.flatten.ir import Node, TensorType, Value
@@ -67,10 +73,7 @@ def lower_mla(ctx: GenContext, group: KernelGroup) -> GroupCode:
         f"        K.{cache.name}[(T,)](mla_e, mla_e, k_cache, k_cache, st.slot_mapping, T, ROW={row}, BLOCK={block}, "
         f"num_warps={cw})",
         "    if st.num_prefills:",
-        f"        K.{pre.name}[(triton.cdiv(st.max_query_len, {pconst['BLOCK_M']}), st.num_prefills, {h})](",
-        f"            mla_q, k_cache, k_cache, mla_o, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, {s},",
-        f"            {consts(pconst, ('BLOCK_SIZE',))}, BLOCK_SIZE=st.block_size,",
-        f"            num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
+        *prefill_lines(pre, pconst, pcfg, "mla_q", "k_cache", "k_cache", "mla_o", h, s),
         "    if st.num_decodes:",
         *decode_lines(ctx, dec, red, kconst, kcfg, "mla_q", "k_cache", "k_cache", "mla_o", 1, h, s),
         "else:",

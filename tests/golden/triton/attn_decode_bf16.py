@@ -1,13 +1,14 @@
 """Split-K paged decode attention.
 
 Paged attention for decode sequences (one new token each), flash-decoding style.
-Grid (num_decode_seqs, HKV, num_splits): each program takes the GQA group of GROUP
+Grid (num_decode_seqs, HKV, num_splits), from sequence seq_offset on (a CUDA graph of a step with prefill tokens
+launches one program per sequence slot from 0: those of other sequences return at once); each program takes the GQA group of GROUP
 query heads that share one KV head (padded to BLOCK_H rows so tl.dot can be used) and one
 slice of the sequence's keys, BLOCK_N tokens a step, each token's cache row found through
 the block table (so a step spans pages of any BLOCK_SIZE). num_splits is chosen per step by
 the host (codegen/host_support.decode_splits: enough programs for the device, at most
 NUM_SPLITS): with one split a program normalises and writes its output; with more, partial
-results (unnormalised output, running max, running sum) go to scratch and attn_decode_bf16_95064f_reduce
+results (unnormalised output, running max, running sum) go to scratch and attn_decode_bf16_dcb7e0_reduce
 merges them. Cache layout: [num_blocks, BLOCK_SIZE, HKV, D].
 """
 
@@ -20,7 +21,7 @@ except ImportError:
 
 
 @triton.jit
-def attn_decode_bf16_95064f(
+def attn_decode_bf16_dcb7e0(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -63,6 +64,8 @@ def attn_decode_bf16_95064f(
     heads = kvh * GROUP + h
     part = (i * HQ + heads).to(tl.int64) * NUM_SPLITS + split  # the scratch layout is NUM_SPLITS wide
     tok = tl.load(query_start_ptr + seq).to(tl.int64)
+    if tl.load(query_start_ptr + seq + 1) - tok != 1:  # not a decode: a prefill's (the prefill kernel's) or no row
+        return
     out_rows = out_ptr + tok * HQ * D + heads[:, None] * D + d[None, :]
 
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
@@ -114,7 +117,7 @@ def attn_decode_bf16_95064f(
 
 
 @triton.jit
-def attn_decode_bf16_95064f_reduce(
+def attn_decode_bf16_dcb7e0_reduce(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -134,6 +137,8 @@ def attn_decode_bf16_95064f_reduce(
     i = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_ptr + i + seq_offset).to(tl.int64)
+    if tl.load(query_start_ptr + i + seq_offset + 1) - tok != 1:  # not a decode sequence (see the kernel above)
+        return
     sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
     part = (i * HQ + head).to(tl.int64) * NUM_SPLITS + sp

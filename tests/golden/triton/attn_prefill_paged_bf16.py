@@ -1,8 +1,11 @@
 """Varlen flash attention (prefill).
 
 Variable-length causal flash attention over the packed token stream.
-Grid (cdiv(max_query_len, BLOCK_M), num_seqs, HQ): one program owns BLOCK_M query rows of
-one sequence and one head. Keys and values come from the paged cache through the block
+Grid (num_tokens // BLOCK_M + num_seqs, 1, HQ): one program owns BLOCK_M query rows of one
+sequence of more than one new token and one head; it finds its sequence from query_start_loc on the device
+(sequence i owns programs qsl[i] // BLOCK_M + i onwards), so the grid depends on the step's sizes alone
+and a CUDA graph of a step replays for any split of its tokens into sequences. Sequences of one new
+token are the decode kernel's. Keys and values come from the paged cache through the block
 table, so a sequence whose first tokens are already cached (prefix caching, or an earlier
 chunk of a chunked prefill) attends to them: its new tokens sit at positions
 seq_len - query_len .. seq_len - 1.
@@ -17,7 +20,7 @@ except ImportError:
 
 
 @triton.jit
-def attn_prefill_paged_bf16_482e53(
+def attn_prefill_paged_bf16_4b53b6(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -26,6 +29,7 @@ def attn_prefill_paged_bf16_482e53(
     seq_lens_ptr,
     query_start_ptr,
     bt_stride,
+    num_seqs,
     scale,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -42,13 +46,24 @@ def attn_prefill_paged_bf16_482e53(
     if PDL:  # programmatic dependent launch: the previous kernel's writes are visible after the wait
         gdc_wait()
         gdc_launch_dependents()
-    mblock = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    kvh = head // GROUP
+    pid = tl.program_id(0)
+    # This program's sequence: the last i with qsl[i] // BLOCK_M + i <= pid (strictly increasing in i; sequence i
+    # owns qsl[i + 1] // BLOCK_M - qsl[i] // BLOCK_M + 1 >= cdiv(q_len, BLOCK_M) programs), by bisection.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_M + mid <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if mblock * BLOCK_M < q_len:
+    mblock = pid - (q_start // BLOCK_M + seq)
+    head = tl.program_id(2)
+    kvh = head // GROUP
+    if (q_len > 1) & (mblock * BLOCK_M < q_len):
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len  # tokens cached before this step
         m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
