@@ -321,6 +321,35 @@ def position_offset(model: torch.nn.Module, accepts: set[str]) -> int:
     )
 
 
+def skip_positions(ids: torch.Tensor, skip: int) -> torch.Tensor:
+    """0-based positions of a sequence whose model numbers only tokens other than ``skip`` (RoBERTa's
+    create_position_ids_from_input_ids: a padding token takes padding_idx, the next token is not shifted by it):
+    each other token's index among them, -1 for ``skip`` itself (the graph adds padding_idx + 1)."""
+    keep = (ids != skip).long()
+    return torch.cumsum(keep, 0) * keep - 1
+
+
+def position_skip_token(model: torch.nn.Module, accepts: set[str], offset: int) -> int | None:
+    """The token id a model leaves out of its position numbering (RoBERTa-style models: their padding id), found
+    by probing the model's own default position ids with that token inside a sequence; None when positions are
+    the plain index (+ offset) whatever the tokens."""
+    pad = getattr(model.config, "pad_token_id", None)
+    if "position_ids" not in accepts or pad is None or offset != int(pad) + 1:
+        return None
+    vocab = int(getattr(model.config, "vocab_size", 8) or 8)
+    ids = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(1))
+    ids[ids == pad] = (pad + 1) % vocab
+    ids[2] = pad
+    explicit = _TokenStream(model, accepts, offset).eval()
+    with torch.no_grad():
+        default = _TokenStream(model, accepts - {"position_ids"}).eval()(ids, torch.arange(6))
+        if torch.allclose(default, explicit(ids, torch.arange(6)), atol=1e-5, rtol=1e-4):
+            return None
+        if torch.allclose(default, explicit(ids, skip_positions(ids, int(pad))), atol=1e-5, rtol=1e-4):
+            return int(pad)
+    return None
+
+
 def record_layer_masks(model: torch.nn.Module, accepts: set[str]) -> None:
     """One eager forward that records the mask HF builds for each attention layer (hf_masks)."""
     from portlayer.flatten.hf_masks import recording_masks
@@ -471,6 +500,12 @@ def _annotate(graph: Graph, module: torch.nn.Module, facts: dict[str, Any], sour
     graph.meta.update(facts)
     graph.meta.update(_kv_facts(graph))
     graph.meta["task"] = task_of_model(module)
+    import inspect
+
+    accepts = set(inspect.signature(module.forward).parameters)
+    skip = position_skip_token(module, accepts, position_offset(module, accepts))
+    if skip is not None:  # the runtime numbers a sequence's positions without this token (runtime/model_runner.py)
+        graph.meta["position_skip_token"] = skip
     graph.meta["token_symbol"] = TOKEN_SYMBOL
     if source:
         graph.meta["source"] = source

@@ -94,7 +94,7 @@ class LLMEngine:
                                    min(max_pos, num_blocks * bs) if num_blocks else max_pos)  # fmt: skip
         self.block_manager = BlockManager(max(num_blocks, 1), bs, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(nseqs, budget, chunk), self.block_manager)
-        self.runner = ModelRunner(executable, self.kv_caches, bs)
+        self.runner = ModelRunner(executable, self.kv_caches, bs, meta.get("position_skip_token"))
         self._backend = backend  # its descriptor's tuning steers how embedding batches share the cores
         self._embed_runner: BatchRunner | None = None
         self.sampler = Sampler(seed)
@@ -230,6 +230,11 @@ class LLMEngine:
         if vocab and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if t < 0 or t >= vocab)
             raise RequestRejected(f"request {rid}: token id {bad} is outside {where}'s vocabulary [0, {vocab})")
+        skip = self.meta.get("position_skip_token")
+        if skip is not None and self.config.task == "causal_lm" and skip in ids:
+            raise RequestRejected(f"request {rid}: the prompt holds token {skip} at position {ids.index(skip)}, which "
+                                  f"{where} leaves out of its position numbering (its padding id); generation does "
+                                  "not number positions around it: remove it from the prompt")
         if max_pos and len(ids) > max_pos:
             raise RequestRejected(f"request {rid}: the prompt has {len(ids)} tokens but {where} allows at most "
                                   f"{max_pos} positions (max_position_embeddings); shorten the prompt")  # fmt: skip

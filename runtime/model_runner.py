@@ -33,11 +33,15 @@ class ModelRunner:
         executable: Executable,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
         block_size: int,
+        position_skip_token: int | None = None,
     ) -> None:
         self.executable = executable
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = executable.device
+        # graph.meta position_skip_token (flatten/capture.py): the model numbers a sequence's positions without this
+        # token (RoBERTa's padding id inside a text): embed() numbers them so
+        self.position_skip_token = position_skip_token
 
     def prepare(self, items: Seq[tuple[Sequence, int]], pending: torch.Tensor | None = None,
                 ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[int]]:
@@ -145,10 +149,14 @@ class ModelRunner:
         lens = [len(t) for t in token_lists]
         dev = self.device
         meta = AttentionMetadata.from_lens(lens, device=dev)
-        feeds = {
-            "input_ids": torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64, device=dev),
-            "positions": torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64, device=dev),
-        }
+        ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64)
+        if self.position_skip_token is None:
+            positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64)
+        else:
+            from portlayer.flatten.capture import skip_positions
+
+            positions = torch.cat([skip_positions(seg, self.position_skip_token) for seg in torch.split(ids, lens)])
+        feeds = {"input_ids": ids.to(dev), "positions": positions.to(dev)}
         out = self.executable.run(feeds, meta, None)[0]
         if pooled:
             return out
