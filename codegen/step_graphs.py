@@ -27,6 +27,10 @@ from portlayer.flatten.logits import LOGITS_INDICES
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 
 SMALL_SLOTS = 16  # sequence slots of a step graph for up to this many sequences (else max_seqs)
+# Buckets up to this many tokens are captured at load (a first request's prompt); larger ones on first use: a
+# capture costs about two of its steps (a warm-up forward, then the capture), which at 2,048 tokens of a large model
+# would add seconds to every load for steps a server meets within its first seconds anyway.
+LOAD_TOKENS = 256
 ENV = "PORTLAYER_STEP_GRAPHS"  # 0: steps with prefill tokens launch their kernels eagerly (an A/B switch)
 
 
@@ -167,14 +171,14 @@ class StepGraphs:
         small = min(SMALL_SLOTS, self.max_seqs)
         return [(t, sb) for t in self.step_sizes for sb in dict.fromkeys((small, self.max_seqs)) if sb == small or t > small]
 
-    def capture_step_graphs(self, kv_caches: Any) -> int:
-        """Capture every step graph now (at load): a step with prefill tokens then launches one graph."""
+    def capture_step_graphs(self, kv_caches: Any, upto: int = LOAD_TOKENS) -> int:
+        """Capture the step graphs of buckets up to ``upto`` tokens now (at load); the rest on first use."""
         if not (self.STEP_GRAPHS and self.use_graphs and self.step_sizes and kv_caches is not None):
             return 0
         s = self._step_static(kv_caches)
         self._step_reset(s)
         pointers = self._cache_pointers(kv_caches)
-        keys = self.step_graph_keys()
+        keys = [(tb, sb) for tb, sb in self.step_graph_keys() if tb <= upto]
         for tb, sb in keys:
             if ("step", tb, sb, pointers) not in self._graphs:
                 try:
