@@ -299,10 +299,18 @@ class _Negotiation:
     def step_graph_tokens(self) -> None:
         """Token buckets of the CUDA graphs of steps with prefill tokens (codegen/step_graphs.py): eager, such a
         step launches ~12 kernels a layer from the host, slower than its kernels run (session 18, the H200)."""
-        d = self.d
-        if not self.v["graph_capture_sizes"] or d.codegen != "triton":
-            why = ("no decode graphs" if not self.v["graph_capture_sizes"] else
-                   f"codegen {d.codegen!r} captures no step graphs")
+        d, r = self.d, self.r
+        why = None
+        if not r.needs_kv_cache:
+            why = f"task {r.task!r} keeps no KV cache (its steps run without one, eagerly)"
+        elif not self.v["graph_capture_sizes"]:
+            why = "no decode graphs"
+        elif d.codegen != "triton":
+            why = f"codegen {d.codegen!r} captures no step graphs"
+        elif self.v.get("tensor_parallel", 1) > 1:  # every rank must decide alike, and a capture can fail on one
+            why = (f"tensor parallel over {self.v['tensor_parallel']} ranks: a step graph that failed to capture on one "
+                   "rank would leave its collectives out of step with the others'")
+        if why:
             self.add("step_graph_tokens", [], f"{why}: steps with prefill tokens launch their kernels eagerly")
             return
         top = self.v["max_batched_tokens"]

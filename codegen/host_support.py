@@ -238,7 +238,8 @@ class HostProgram(StepGraphs):
         self.max_seqs = max(max_seqs, 1)
         self._buffers = {v: (info["dtype"], tuple(info["shape"]), int(info["offset"]))
                          for v, info in layout.get("buffers", {}).items()}
-        # zeroed once: rows no sequence owns in a padded step graph are computed on, and hold finite values
+        # zeroed once: a padded step graph computes on rows no sequence owns (every op on them is per row, so
+        # whatever they hold stays in them; zeros keep the arena's share of them finite)
         self.arena = torch.zeros(int(layout.get("arena_bytes") or 0) + 256, dtype=torch.uint8, device=self.device)
         self._workspaces = threading.local()  # per thread: embedding batches run side by side on one program
         self._layers = {m["method"]: m for m in layout.get("layers", [])}
@@ -333,15 +334,16 @@ class HostProgram(StepGraphs):
         if self._static is None:
             n, dev = self.capture_sizes[-1], self.device
             width = -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
-            self._static = SimpleNamespace(
-                feeds={k: torch.zeros(n, dtype=torch.int64, device=dev) for k in self.INPUTS},
-                slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
-                seq_lens=torch.zeros(n, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
-                qsl=torch.arange(n + 1, dtype=torch.int32, device=dev),
-                rows={},  # T -> the static views a step of T sequences writes (built once per T)
-                padded_from=0,  # rows >= this hold no sequence (slot -1, length 0), whatever the last step wrote
-            )
+            with torch.inference_mode(False):  # made inside a step (inference mode), reset at load (outside it)
+                self._static = SimpleNamespace(
+                    feeds={k: torch.zeros(n, dtype=torch.int64, device=dev) for k in self.INPUTS},
+                    slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                    seq_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+                    block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
+                    qsl=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                    rows={},  # T -> the static views a step of T sequences writes (built once per T)
+                    padded_from=0,  # rows >= this hold no sequence (slot -1, length 0), whatever the last step wrote
+                )
         return self._static
 
     @staticmethod

@@ -202,6 +202,7 @@ class BinaryKernel:
             self._config = _LaunchConfig(block_x=self.block, block_y=1, block_z=1, shared=self.shared,
                                          attrs=ctypes.pointer(self._attribute), num_attrs=1)
         self._scratch: torch.Tensor | None = None
+        self._old_scratch: list[torch.Tensor] = []  # outgrown scratch buffers, kept for the graphs that captured them
         # the device whose current stream a launch goes on (the module was loaded into its context here)
         self._index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else 0)
@@ -307,6 +308,8 @@ class BinaryKernel:
         """Triton's global scratch for ``programs`` programs, grown on demand, aligned as the binary asks."""
         need = self._scratch_size * programs + int(self.rec["global_scratch_align"])
         if self._scratch is None or self._scratch.numel() < need:
+            if self._scratch is not None:  # a captured CUDA graph may hold its address: never freed
+                self._old_scratch.append(self._scratch)
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         align = int(self.rec["global_scratch_align"])
         return -(-self._scratch.data_ptr() // align) * align

@@ -4,7 +4,7 @@ A decode step's graph is keyed by its batch (host_support.HostProgram._replay). 
 launched ~12 kernels a layer eagerly: ~7.5 ms of host for the Qwen3-0.6B shape on the H200's host, against
 4.6 ms of kernels for 1,848 prefill tokens (scripts/gpu_mixed_step.py, session 18), so prefill and serving's
 mixed steps ran at the host's speed. This captures them too: at T_b tokens (the Plan's ``step_graph_tokens``
-buckets) and S_b sequence slots (SMALL_SLOTS, else the program's max_seqs). A step's tokens are copied into
+buckets) and S_b sequence slots (16, 64, else the program's max_seqs: ``slot_sizes``). A step's tokens are copied into
 static buffers padded to T_b (slot -1: no KV write; no sequence owns them), its sequences into S_b slots padded
 with empty ones (no new token, no context). Every attention launch's grid is a function of T and S alone
 (codegen/kernels/attention.py ``prefill_lines``: each prefill program finds its sequence on the device; decode
@@ -43,10 +43,14 @@ class StepGraphFailed(RuntimeError):
     """A step graph could not be captured; the program has turned step graphs off and runs such steps eagerly."""
 
 
+def slot_sizes(most: int) -> list[int]:
+    """The sequence-slot counts of step graphs: SMALL_SLOTS, 4x that, then every slot (``most``)."""
+    return sorted({min(SMALL_SLOTS, most), min(4 * SMALL_SLOTS, most), most})
+
+
 def seq_slots(sequences: int, most: int) -> int:
     """The sequence slots of the step graph for a step of ``sequences`` sequences (at most ``most``)."""
-    small = min(SMALL_SLOTS, most)
-    return small if sequences <= small else most
+    return next(s for s in slot_sizes(most) if s >= sequences)
 
 
 class StepGraphs:
@@ -76,17 +80,21 @@ class StepGraphs:
         if self._step is None:
             T, S, dev = self.step_sizes[-1], self.max_seqs, self.device  # noqa: N806
             width = -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
-            self._step = SimpleNamespace(
-                feeds={k: torch.zeros(self._token_rows(k, T, S), dtype=torch.int64, device=dev) for k in self.INPUTS},
-                slots=torch.full((T,), -1, dtype=torch.int64, device=dev),
-                qsl=torch.zeros(S + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.zeros(S, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(S, width, dtype=torch.int32, device=dev),
-                slots_upto=0,  # slots at and past this hold -1 (no KV write) whatever the last step wrote
-                lens_upto=0,  # sequence slots at and past this hold length 0
-                pool=None,  # one memory pool for every step graph (they never run at once)
-            )
+            with torch.inference_mode(False):  # made inside a step (inference mode), reset at load (outside it)
+                self._step = self._new_step_static(T, S, width, dev)
         return self._step
+
+    def _new_step_static(self, T: int, S: int, width: int, dev: torch.device) -> SimpleNamespace:  # noqa: N803
+        return SimpleNamespace(
+            feeds={k: torch.zeros(self._token_rows(k, T, S), dtype=torch.int64, device=dev) for k in self.INPUTS},
+            slots=torch.full((T,), -1, dtype=torch.int64, device=dev),
+            qsl=torch.zeros(S + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(S, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(S, width, dtype=torch.int32, device=dev),
+            slots_upto=0,  # slots at and past this hold -1 (no KV write) whatever the last step wrote
+            lens_upto=0,  # sequence slots at and past this hold length 0
+            pool=None,  # one memory pool for every step graph (they never run at once)
+        )
 
     def _step_reset(self, s: SimpleNamespace) -> None:
         """The static inputs as a capture at load wants them: no token writes the cache, no sequence has tokens."""
@@ -168,8 +176,9 @@ class StepGraphs:
     def step_graph_keys(self) -> list[tuple[int, int]]:
         """Every (T_b, S_b) a step graph may be captured at: the token buckets, each with the slot counts a step
         of that many tokens can need (a sequence has at least one token)."""
-        small = min(SMALL_SLOTS, self.max_seqs)
-        return [(t, sb) for t in self.step_sizes for sb in dict.fromkeys((small, self.max_seqs)) if sb == small or t > small]
+        sizes = slot_sizes(self.max_seqs)
+        # a step of t tokens holds at most t sequences: the slot counts up to the first that covers t
+        return [(t, sb) for t in self.step_sizes for i, sb in enumerate(sizes) if i == 0 or sizes[i - 1] < t]
 
     def capture_step_graphs(self, kv_caches: Any, upto: int = LOAD_TOKENS) -> int:
         """Capture the step graphs of buckets up to ``upto`` tokens now (at load); the rest on first use."""

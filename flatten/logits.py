@@ -16,17 +16,28 @@ from portlayer.flatten.ops import get_op
 LOGITS_INDICES = "logits_indices"
 
 
+def _squeezes(a: tuple, b: tuple) -> bool:
+    """``a`` and ``b`` are the same shape but for dims of size 1 (a reshape that adds or drops a batch dim)."""
+    return [d for d in a if d != 1] == [d for d in b if d != 1]
+
+
 def _lm_head(graph: Graph) -> Node | None:
     """The vocabulary projection: the last linear on the output's producer chain, with only
-    per-token pointwise ops (e.g. Gemma-2's logit softcap) after it."""
+    per-token pointwise ops (e.g. Gemma-2's logit softcap) and reshapes that add or drop size-1 dims
+    (Falcon keeps a batch dim until its last op) after it."""
     prod = graph.producers()
+    types = graph.value_types()
     (out,) = graph.outputs
     n = prod.get(out)
     while n is not None and n.op != "linear":
-        if get_op(n.op).kind != "pointwise":
-            return None
+        kind = get_op(n.op).kind
         tensor_ins = [i for i in n.inputs if i is not None and i in prod]
         if len(tensor_ins) != 1:
+            return None
+        if kind == "view" and not (n.op == "reshape" and _squeezes(tuple(types[tensor_ins[0]].shape),
+                                                                    tuple(n.outputs[0].type.shape))):
+            return None
+        if kind not in ("pointwise", "view"):
             return None
         n = prod[tensor_ins[0]]
     return n
@@ -46,16 +57,22 @@ def select_logit_rows(graph: Graph) -> Graph:
         return g
     x = head.inputs[0]
     types = g.value_types()
+    token = g.meta.get("token_symbol", "num_tokens")
+    dims = [i for i, d in enumerate(types[x].shape) if d == token]
+    if len(dims) != 1:  # no single token dim to gather along
+        return g
     g.inputs.append(Value(LOGITS_INDICES, TensorType("int64", ("num_seqs",))))
     gather_name = f"{head.name}_rows"
-    gather_t = get_op("index_select").infer([types[x], TensorType("int64", ("num_seqs",))], {"dim": 0})[0]
-    gather = Node(gather_name, "index_select", [x, LOGITS_INDICES], [Value(gather_name, gather_t)], {"dim": 0},
+    gather_t = get_op("index_select").infer([types[x], TensorType("int64", ("num_seqs",))], {"dim": dims[0]})[0]
+    gather = Node(gather_name, "index_select", [x, LOGITS_INDICES], [Value(gather_name, gather_t)], {"dim": dims[0]},
                   {"source": head.meta.get("source", "lm_head"), "why": "logits only for sampled rows"})
     start = g.nodes.index(head)
     g.nodes.insert(start, gather)
     head.inputs = [gather_name] + head.inputs[1:]
     types[gather_name] = gather_t
     for n in g.nodes[start + 1:]:  # re-infer the per-token tail: [num_tokens, V] -> [num_seqs, V]
+        if n.op == "reshape":  # its target shape names the token dim: now one row per sequence
+            n.attrs = {**n.attrs, "shape": ["num_seqs" if d == token else d for d in n.attrs["shape"]]}
         ins = [types[i] if i is not None else None for i in n.inputs]
         outs = get_op(n.op).infer(ins, n.attrs)
         n.outputs = [Value(v.name, t) for v, t in zip(n.outputs, outs)]

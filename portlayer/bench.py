@@ -112,7 +112,7 @@ def bench(loaded: Any, *, prefill_tokens: int = 128, context: int = 128, batch_s
     prefill_tokens, context = min(prefill_tokens, limit), min(context, limit - 1)
     vocab = int(graph.meta.get("vocab_size") or 2)
     block = kv_block_size(loaded.plan)
-    causal = graph.meta.get("task", "causal_lm") == "causal_lm" and bool(graph.find("attention"))
+    causal = graph.meta.get("task", "causal_lm") == "causal_lm" and bool(graph.find("attention") or graph.find("mla_attention"))
     g = torch.Generator().manual_seed(0)
     report: dict[str, Any] = {
         "artifact": str(loaded.path), "model": loaded.manifest.model.get("spec"), "target": loaded.descriptor.name,

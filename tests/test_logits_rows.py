@@ -30,3 +30,38 @@ def test_rows_equal_full_logits_rows(captured):
 def test_encoders_are_left_alone(captured):
     g = captured["tiny-bert"]
     assert [v.name for v in select_logit_rows(g).inputs] == [v.name for v in g.inputs]
+
+
+def test_a_head_behind_a_batch_dim_reshape_gathers_along_the_token_dim():
+    """Falcon keeps a [1, tokens, hidden] batch dim up to its last op (lm_head, then a reshape to [tokens, vocab]):
+    the rows are still gathered (along the token dim) and generation still equals Hugging Face's."""
+    import transformers as T
+
+    from portlayer.flatten import capture
+    from portlayer.runtime.engine import LLMEngine
+    from portlayer.runtime.sequence import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         new_decoder_architecture=False, multi_query=True, max_position_embeddings=128)
+    model = T.FalconForCausalLM(cfg).eval()
+    g = capture(model)
+    sel = select_logit_rows(g)
+    verify_graph(sel)
+    assert "logits_indices" in [v.name for v in sel.inputs] and sel.value_types()[sel.outputs[0]].shape == ("num_seqs", 64)
+    ids = torch.randint(0, 64, (9,))
+    pos = torch.cat([torch.arange(4), torch.arange(5)])
+    meta = AttentionMetadata.from_lens([4, 5])
+    feeds = {"input_ids": ids, "positions": pos}
+    full = run_graph(g, feeds, ExecContext(bindings=bind_symbols(g, feeds), attn_metadata=meta))[0]
+    rows = torch.tensor([3, 8])
+    f2 = {**feeds, "logits_indices": rows}
+    out = run_graph(sel, f2, ExecContext(bindings=bind_symbols(sel, f2), attn_metadata=meta))[0]
+    torch.testing.assert_close(out, full[rows], atol=1e-5, rtol=1e-4)
+    engine = LLMEngine.from_graph(sel)
+    prompt = [5, 9, 13, 2, 40, 41]
+    got = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
+    model.set_attn_implementation("eager")  # as tests/test_archs_end_to_end.py compares (capture set its own)
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want

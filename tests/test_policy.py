@@ -205,3 +205,19 @@ def test_explain_cli(capsys):
     assert main(["explain", model, "--target", "nvidia-h200", "--dtype", "float32", "--json"]) == 0
     plan = Plan.from_json(json.loads(capsys.readouterr().out))
     assert plan.compute_dtype == "float32" and plan.decision("compute_dtype").reason.startswith("user override")
+
+
+def test_step_graph_buckets_only_for_a_kv_cached_model_on_one_triton_device(qwen3):
+    h200 = negotiate(qwen3, "nvidia-h200")
+    buckets = h200.step_graph_tokens
+    assert buckets[:4] == [16, 32, 64, 128] and buckets[-1] == h200.max_batched_tokens
+    assert all(b - a == 256 for a, b in zip(buckets[4:], buckets[5:]))
+    assert negotiate(qwen3, "cpu-x86_64").step_graph_tokens == []  # no graphs
+    assert "cann" in negotiate(qwen3, "ascend-910b").decision("step_graph_tokens").reason  # graphs, not Triton
+    two = negotiate(qwen3, "nvidia-h200", {"tensor_parallel": 2})
+    assert two.step_graph_tokens == [] and "tensor parallel" in two.decision("step_graph_tokens").reason
+    bert = ModelRequirements.from_hf_config({"architectures": ["BertModel"], "hidden_size": 64, "intermediate_size": 128,
+                                             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128,
+                                             "max_position_embeddings": 128}, name="bert")
+    plan = negotiate(bert, "nvidia-h200")
+    assert plan.step_graph_tokens == [] and "KV cache" in plan.decision("step_graph_tokens").reason

@@ -182,3 +182,51 @@ def test_step_graphs_switch_off_by_environment(artifact, monkeypatch):
     assert open_artifact(art, interpret=True).executable().step_sizes  # the Plan's buckets (step_graph_tokens)
     monkeypatch.setenv("PORTLAYER_STEP_GRAPHS", "0")
     assert open_artifact(art, interpret=True).executable().step_sizes == []
+
+
+def test_static_buffers_made_inside_a_step_are_reset_at_load_outside_inference_mode(artifact, monkeypatch):
+    """LLMEngine.warm_up runs a prefill step (ModelRunner.execute: inference mode), which now makes the step
+    graphs' static buffers, then captures every graph outside inference mode, which resets them: they must be
+    ordinary tensors (an inference tensor refuses an in-place write outside inference mode)."""
+    from portlayer.flatten.logits import feed_last_rows
+    from portlayer.loaded import open_artifact
+    from portlayer.runtime.validation import new_kv_cache, step_metadata
+
+    _, art = artifact
+    use_interpreter(monkeypatch)
+    loaded = open_artifact(art, interpret=True)
+    exe, graph = loaded.executable(), loaded.graph
+    exe.use_graphs, exe.capture_sizes, exe.step_sizes = True, [1], [16, 32]
+
+    class Fake:
+        def __init__(self, run):
+            self.run = run
+
+        def replay(self):
+            self.run()
+
+    def fake_step(Tb, Sb, kv):  # noqa: N803
+        st, feeds = exe.step_graph_state(Tb, Sb, kv)
+        outs = exe.forward(Tb, Sb, feeds, st, kv)
+        return Fake(lambda: exe.forward(Tb, Sb, feeds, st, kv)), outs
+
+    def fake_decode(B, kv):  # noqa: N803
+        st, feeds = exe.graph_step_state(B, kv)
+        outs = exe.forward(B, B, feeds, st, kv)
+        return Fake(lambda: exe.forward(B, B, feeds, st, kv)), outs
+
+    monkeypatch.setattr(exe, "_step_capture", fake_step)
+    monkeypatch.setattr(exe, "_capture", fake_decode)
+    caches = new_kv_cache(graph, 2, 32, BLOCK, torch.float32, "cpu")
+    names = [v.name for v in graph.inputs]
+    md = step_metadata([9, 4], [0, 0], block_size=BLOCK, max_len=32, device="cpu")
+    feeds = feed_last_rows({"input_ids": torch.arange(13) % VOCAB,
+                            "positions": torch.tensor(list(range(9)) + list(range(4)))}, names, md)
+    one = step_metadata([1], [9], block_size=BLOCK, max_len=32, device="cpu")
+    dec = feed_last_rows({"input_ids": torch.tensor([5]), "positions": torch.tensor([9])}, names, one)
+    with torch.inference_mode():  # as ModelRunner.execute runs a step
+        exe.run(feeds, md, caches)
+        exe.run(dec, one, caches)
+    assert any(k[0] == "step" for k in exe._graphs)  # the prefill replayed a step graph
+    exe.capture_all(caches)  # as LLMEngine.warm_up calls it: outside inference mode
+    assert not exe._step.slots.is_inference() and not exe._static.slots.is_inference()
