@@ -69,6 +69,7 @@ class Converter:
         self.sym_names: dict[str, str] = {}
         self.current: torch.fx.Node | None = None
         self._transposed: dict[str, str] = {}
+        self.transposes: dict[str, str] = {}  # value -> the 2-D parameter it is the transpose of (x @ W.T is linear)
 
     # ---- helpers used by handlers ---------------------------------------------------------
     def dim(self, d: Any) -> Dim:

@@ -238,8 +238,11 @@ def _linear(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
 
 
 def _gemm(cv: Converter, node: Node, x: str, w: str, bias: str | None) -> str:
-    """x @ w (+ bias): a parameter ``w`` [K, N] becomes linear with a transposed [N, K] param."""
-    if cv.is_param(w) and cv.type_of(w).rank == 2:
+    """x @ w (+ bias): a parameter ``w`` [K, N] becomes linear with a transposed [N, K] param, and the transpose
+    of an [N, K] parameter (x @ W.T) linear with the parameter itself."""
+    if w in cv.transposes:
+        out = cv.emit("linear", [x, cv.transposes[w], bias])
+    elif cv.is_param(w) and cv.type_of(w).rank == 2:
         out = cv.emit("linear", [x, cv.param_transposed(w), bias])
     else:
         out = cv.emit("matmul", [x, w])

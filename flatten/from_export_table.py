@@ -88,7 +88,10 @@ def _expand(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
 
 @lower(aten.transpose)
 def _transpose(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
-    return cv.emit("transpose", [args[0]], {"dim0": int(args[1]), "dim1": int(args[2])})
+    out = cv.emit("transpose", [args[0]], {"dim0": int(args[1]), "dim1": int(args[2])})
+    if cv.is_param(args[0]) and cv.type_of(args[0]).rank == 2 and {int(args[1]) % 2, int(args[2]) % 2} == {0, 1}:
+        cv.transposes[out] = args[0]
+    return out
 
 
 @lower(aten.t, aten.numpy_T)
@@ -96,7 +99,10 @@ def _t(cv: Converter, node: Node, args: list, kwargs: dict) -> str:
     rank = cv.type_of(args[0]).rank
     if rank < 2:
         return args[0]
-    return cv.emit("transpose", [args[0]], {"dim0": rank - 2, "dim1": rank - 1})
+    out = cv.emit("transpose", [args[0]], {"dim0": rank - 2, "dim1": rank - 1})
+    if cv.is_param(args[0]) and rank == 2:
+        cv.transposes[out] = args[0]  # x @ W.T (Falcon's FalconLinear) is linear(x, W): codegen/kernels/gemm.py's path
+    return out
 
 
 @lower(aten.permute)

@@ -33,8 +33,37 @@ def test_encoders_are_left_alone(captured):
 
 
 def test_a_head_behind_a_batch_dim_reshape_gathers_along_the_token_dim():
-    """Falcon keeps a [1, tokens, hidden] batch dim up to its last op (lm_head, then a reshape to [tokens, vocab]):
-    the rows are still gathered (along the token dim) and generation still equals Hugging Face's."""
+    """A graph that keeps a [1, tokens, hidden] batch dim up to its last op (lm_head, then a reshape to
+    [tokens, vocab]): the rows are still gathered, along the token dim, equal to those rows of the full logits."""
+    from portlayer.flatten.ir import Graph, GraphBuilder, TensorType
+
+    torch.manual_seed(0)
+    b = GraphBuilder(Graph())
+    ids = b.add_input("input_ids", TensorType("int64", ("num_tokens",)))
+    b.add_input("positions", TensorType("int64", ("num_tokens",)))
+    emb = b.add1("embedding", [b.add_param("embed", torch.randn(32, 16)), ids])
+    x = b.add1("reshape", [emb], {"shape": [1, "num_tokens", 16]})
+    logits = b.add1("linear", [x, b.add_param("lm_head_weight", torch.randn(32, 16)), None])
+    out = b.add1("reshape", [logits], {"shape": ["num_tokens", 32]})
+    g = b.graph
+    g.outputs = [out]
+    g.meta.update(task="causal_lm", token_symbol="num_tokens")
+    sel = select_logit_rows(g)
+    verify_graph(sel)
+    assert sel.value_types()[sel.outputs[0]].shape == ("num_seqs", 32)
+    assert next(n for n in sel.nodes if n.op == "index_select").attrs["dim"] == 1  # the token dim of [1, T, 16]
+    feeds = {"input_ids": torch.randint(0, 32, (9,)), "positions": torch.arange(9)}
+    meta = AttentionMetadata.from_lens([4, 5])
+    full = run_graph(g, feeds, ExecContext(bindings=bind_symbols(g, feeds), attn_metadata=meta))[0]
+    rows = torch.tensor([3, 8])
+    f2 = {**feeds, "logits_indices": rows}
+    got = run_graph(sel, f2, ExecContext(bindings=bind_symbols(sel, f2), attn_metadata=meta))[0]
+    torch.testing.assert_close(got, full[rows], atol=1e-5, rtol=1e-4)
+
+
+def test_falcon_linears_written_as_x_at_w_t_are_linear_and_its_logits_are_selected():
+    """FalconLinear computes x @ W.T: captured as linear (the GEMM kernels' path, a flat [tokens, ...] stream), its
+    logits computed only for the sampled rows; generation equals Hugging Face's."""
     import transformers as T
 
     from portlayer.flatten import capture
@@ -46,21 +75,12 @@ def test_a_head_behind_a_batch_dim_reshape_gathers_along_the_token_dim():
                          new_decoder_architecture=False, multi_query=True, max_position_embeddings=128)
     model = T.FalconForCausalLM(cfg).eval()
     g = capture(model)
+    assert not any(n.op == "matmul" for n in g.nodes) and sum(n.op == "linear" for n in g.nodes) == 9
     sel = select_logit_rows(g)
-    verify_graph(sel)
     assert "logits_indices" in [v.name for v in sel.inputs] and sel.value_types()[sel.outputs[0]].shape == ("num_seqs", 64)
-    ids = torch.randint(0, 64, (9,))
-    pos = torch.cat([torch.arange(4), torch.arange(5)])
-    meta = AttentionMetadata.from_lens([4, 5])
-    feeds = {"input_ids": ids, "positions": pos}
-    full = run_graph(g, feeds, ExecContext(bindings=bind_symbols(g, feeds), attn_metadata=meta))[0]
-    rows = torch.tensor([3, 8])
-    f2 = {**feeds, "logits_indices": rows}
-    out = run_graph(sel, f2, ExecContext(bindings=bind_symbols(sel, f2), attn_metadata=meta))[0]
-    torch.testing.assert_close(out, full[rows], atol=1e-5, rtol=1e-4)
-    engine = LLMEngine.from_graph(sel)
     prompt = [5, 9, 13, 2, 40, 41]
-    got = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
+    got = LLMEngine.from_graph(sel).generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                      ignore_eos=True))[0].token_ids
     model.set_attn_implementation("eager")  # as tests/test_archs_end_to_end.py compares (capture set its own)
     want = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
