@@ -153,6 +153,8 @@ class StepGraphs:
             return self._step_capture(Tb, Sb, kv_caches)
         except Exception as e:  # a capture error leaves nothing half-made: the graph is dropped, the step runs eagerly
             self.step_sizes = []
+            for key in [k for k in self._graphs if k[0] == "step"]:  # the ones made before: never replayed again
+                del self._graphs[key]
             warnings.warn(f"step graph at {Tb} tokens / {Sb} sequence slots failed to capture ({type(e).__name__}: "
                           f"{e}); steps with prefill tokens now run eagerly (set {ENV}=0 to skip the attempt)",
                           stacklevel=3)
