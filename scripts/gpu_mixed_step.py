@@ -114,9 +114,11 @@ def main() -> int:
     block = kv_block_size(loaded.plan)
     gen = torch.Generator().manual_seed(0)
     pre = [int(x) for x in a.prefill.split(",") if x]
-    cases = {
-        "mixed": (pre, a.decodes),
-        "prefill only": (pre, 0),
+    cases = {  # "graph": a replayed graph where the program has one for the step (step graphs for prefill tokens)
+        "mixed (graph)": (pre, a.decodes),
+        "mixed (eager)": (pre, a.decodes),
+        "prefill only (graph)": (pre, 0),
+        "prefill only (eager)": (pre, 0),
         "decode only (graph)": ([], a.decodes),
         "decode only (eager)": ([], a.decodes),
     }
@@ -124,7 +126,7 @@ def main() -> int:
                               "gpu": torch.cuda.get_device_name(), "cases": {}}
     with torch.inference_mode():
         for name, (chunks, d) in cases.items():
-            if not chunks and not d or (not chunks and name == "mixed"):
+            if not chunks and not d or (not chunks and name.startswith("mixed")):
                 continue  # no tokens, or the decode-only cases already time it
             feeds, md, caches = case(graph, exe, chunks, d, a.context, block, gen)
             graphs = exe.use_graphs
@@ -138,7 +140,7 @@ def main() -> int:
                 for k, ms, n in top:
                     print(f"  {ms * 1e3:9.1f} us {n:5d} x  {k[:100]}")
                 row["top"] = [{"name": k, "us": round(ms * 1e3, 1), "count": n} for k, ms, n in top]
-                if name in ("mixed", "prefill only"):
+                if name in ("mixed (eager)", "prefill only (eager)"):
                     text = host_profile(exe, feeds, md, caches)
                     print(text)
                     row["host_profile"] = text
