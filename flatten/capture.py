@@ -395,12 +395,44 @@ def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export
                 wrapper, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}), strict=False
             )
     except Exception as e:  # torch.export raises many types; keep the cause attached
-        raise CaptureError(
-            f"torch.export failed for {type(model).__name__}: {type(e).__name__}: {str(e)[:2000]}\n"
-            "portlayer exports HF models through the 'portlayer' attention implementation; a model "
-            "whose modeling code bypasses transformers' AttentionInterface or branches on the sequence "
-            "length may need attn_implementation='eager' support or a fix upstream."
-        ) from e
+        raise CaptureError(f"torch.export failed for {type(model).__name__}: {export_failure(e)}") from e
+
+
+def export_failure(e: BaseException) -> str:
+    """What a torch.export failure means for a user, in a few lines: the two ways HF modeling code most often
+    defeats one program for every token count are named; anything else keeps its first lines."""
+    import re
+
+    text = str(e)
+    if "Constraints violated" in text:
+        guard = re.search(r"satisfy the generated guard (.+?)\.?\s*$", text, re.M)
+        return (f"its forward takes a different path for some token counts (torch.export's guard: "
+                f"{guard.group(1).strip() if guard else 'see the cause'}), and portlayer captures one program for "
+                "every length: not supported; a fix in the modeling code (no branch on the sequence length) would "
+                "make it capturable")
+    if "data-dependent" in text or "GuardOnDataDependentSymNode" in text:
+        expr = re.search(r"data-dependent expression (.+?) \(", text)
+        return (f"its forward reads a tensor's value to decide what to compute (data-dependent control flow"
+                f"{': ' + expr.group(1) if expr else ''}), which one captured program cannot do: not supported")
+    head = "\n".join(text.strip().splitlines()[:6])[:800]
+    return (f"{type(e).__name__}: {head}\nportlayer exports HF models through the 'portlayer' attention "
+            "implementation; a model whose modeling code bypasses transformers' AttentionInterface or branches on "
+            "the sequence length may need attn_implementation='eager' support or a fix upstream.")
+
+
+def refuse_dynamic_rope(model: torch.nn.Module) -> None:
+    """Dynamic NTK rope scaling recomputes the rotary frequencies from the longest position of each forward;
+    portlayer's rope reads one fixed table: refused by name (before torch.export fails on it less clearly)."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for field in ("rope_scaling", "rope_parameters"):
+        rs = getattr(text, field, None)
+        if isinstance(rs, dict) and str(rs.get("rope_type") or rs.get("type") or "") == "dynamic":
+            raise CaptureError(
+                f"{type(model).__name__}: {field} rope_type 'dynamic' (dynamic NTK scaling) recomputes the rotary "
+                "frequencies from the longest position in each forward, and portlayer's rope reads one fixed table: "
+                f"not supported; set {field} to a static type (linear, yarn, llama3) or none, or keep sequences "
+                "under the original max_position_embeddings and drop the scaling")
 
 
 def capture(
@@ -450,6 +482,7 @@ def capture(
     else:
         raise TypeError(f"capture() takes an nn.Module or a path to an HF directory, not {type(model).__name__}")
 
+    refuse_dynamic_rope(module)
     facts = model_facts(module)
     max_tokens = int(facts.get("max_positions") or 4096)
     from portlayer.flatten import layer_repeat

@@ -151,3 +151,21 @@ def test_modeling_code_that_views_the_attention_output_is_captured_exactly():
     g = capture(model)
     ids = torch.randint(0, 128, (9,))
     assert (interpret(g, ids) - _forward(model, ids)).abs().max().item() <= 1e-4
+
+
+def test_dynamic_ntk_rope_is_refused_by_name():
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(CaptureError, match="rope_type 'dynamic'.*not supported"):
+        capture(T.LlamaForCausalLM(cfg).eval())
+
+
+def test_a_model_that_branches_on_the_token_count_is_refused_in_a_few_words():
+    """MobileBERT's forward takes another path at one token: torch.export's guard is named, not its whole dump."""
+    torch.manual_seed(0)
+    cfg = T.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intra_bottleneck_size=16,
+                             intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, true_hidden_size=16)
+    with pytest.raises(CaptureError, match="different path for some token counts") as e:
+        capture(T.MobileBertModel(cfg).eval())
+    assert len(str(e.value)) < 600
