@@ -26,7 +26,7 @@ import torch
 from portlayer.flatten.logits import LOGITS_INDICES
 from portlayer.flatten.op_defs.attention import AttentionMetadata
 
-SMALL_SLOTS = 16  # sequence slots of a step graph for up to this many sequences (else max_seqs)
+SMALL_SLOTS = 16  # the fewest sequence slots of a step graph (then 4x as many, then max_seqs: slot_sizes)
 # Buckets up to this many tokens are captured at load (a first request's prompt); larger ones on first use: a
 # capture costs about two of its steps (a warm-up forward, then the capture), which at 2,048 tokens of a large model
 # would add seconds to every load for steps a server meets within its first seconds anyway.
