@@ -87,7 +87,16 @@ def main() -> int:
 
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
     res = run_serving(eng, args)
+    after = torch.cuda.memory_stats()
+    # allocator retries (a cudaFree of cached blocks and a retry: each synchronises the device) and cudaMalloc calls
+    # during serving: an eager step that allocates can stall the host while the previous step still runs
+    memory = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    memory.update(reserved_gib=round(after.get("reserved_bytes.all.current", 0) / 2**30, 2),
+                  peak_allocated_gib=round(after.get("allocated_bytes.all.peak", 0) / 2**30, 2))
+    print(f"allocator during serving: {memory}")
     if prof is not None:
         prof.__exit__(None, None, None)
     kinds: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
@@ -106,7 +115,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['kind']:28s} {r['steps']:6d} {r['seconds']:8.3f} {r['mean_ms']:8.3f} {r['median_ms']:8.3f} "
               f"{r['max_ms']:8.3f} {r['issue_ms']:9.3f} {r['prepare_ms']:10.3f}")
-    out = {"serving": res, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls), "load_s": round(load_s, 2),
+    out = {"serving": res, "memory": memory, "steps": rows, "run_calls": len(shapes), "engine_steps": len(walls), "load_s": round(load_s, 2),
            "graphs": len(getattr(exe, "_graphs", {}))}
     if prof is not None:
         by = defaultdict(lambda: [0.0, 0])
