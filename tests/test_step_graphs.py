@@ -35,12 +35,49 @@ STEPS = [
 DECODE = [9, 33, 2, 47, 21, 14]  # the token each sequence feeds at its n-th decode step
 
 
+def _qwen3():
+    return tiny_causal_lm("Qwen3Config", "Qwen3ForCausalLM", VOCAB, 2, hidden_size=48, intermediate_size=72,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
+
+def _deepseek_v2():
+    """MLA (the latent cache, its own attention lowering) and MoE experts, routers away from ties."""
+    model = tiny_causal_lm("DeepseekV2Config", "DeepseekV2ForCausalLM", VOCAB, 2, hidden_size=64, intermediate_size=96,
+                           moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+                           q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, pad_token_id=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(m, name, None)
+                if isinstance(w, torch.nn.Parameter) and w.dim() == 3:
+                    w.copy_(torch.randn(w.shape, generator=g) * 0.05)
+            if type(m).__name__.lower().endswith("gate") and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.2)
+    return model
+
+
+MODELS = {"qwen3": _qwen3, "deepseek-v2-mla-moe": _deepseek_v2}
+_BUILT: dict = {}
+
+
+def _built(name, tmp_path_factory):
+    if name not in _BUILT:
+        root = tmp_path_factory.mktemp(f"step-graphs-{name}")
+        model = MODELS[name]()
+        _BUILT[name] = model, compiled_fp32(model, root, VOCAB, h200_few_sms(root), name)
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step-graphs")
-    model = tiny_causal_lm("Qwen3Config", "Qwen3ForCausalLM", VOCAB, 2, hidden_size=48, intermediate_size=72,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    return model, compiled_fp32(model, root, VOCAB, h200_few_sms(root), "qwen3-h200")
+    return _built("qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def any_artifact(request, tmp_path_factory):
+    return _built(request.param, tmp_path_factory)
 
 
 class _Replayer:
@@ -123,8 +160,8 @@ def _run(art, monkeypatch, graphs: bool):
     return rows, caches, seen
 
 
-def test_steps_with_prefill_tokens_replay_step_graphs_and_match_hf(artifact, monkeypatch):
-    model, art = artifact
+def test_steps_with_prefill_tokens_replay_step_graphs_and_match_hf(any_artifact, monkeypatch):
+    model, art = any_artifact
     eager, eager_caches, _ = _run(art, monkeypatch, False)
     replayed, caches, seen = _run(art, monkeypatch, True)
     # every step replayed the graph of its bucket: the smallest T_b >= T, 2 slots (SMALL_SLOTS) or 8 (max_seqs)
