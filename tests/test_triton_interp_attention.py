@@ -193,3 +193,52 @@ def test_mixed_step_decodes_after_prefills_at_one_split(tmp_path, monkeypatch, b
     (want,) = reference(graph, feeds, meta, [(kc.clone(), vc.clone())])
     assert any(n.startswith("attn_decode") for n in launches) and not any(n.endswith("_reduce") for n in launches)
     assert rel_err(ours, want) <= tol(dtype)
+
+
+SPLITS = [  # (cached, new) per sequence, in the step's order: 1-token sequences anywhere, query lengths at and
+    # around BLOCK_M (16 here), many 2-token prefills, a sequence that starts mid-block
+    pytest.param([(0, 16)], id="one-block"),
+    pytest.param([(0, 15), (0, 1), (0, 17)], id="decode-between-prefills"),
+    pytest.param([(3, 1), (0, 33), (5, 2), (0, 16), (2, 31)], id="mixed-lengths"),
+    pytest.param([(0, 2)] * 9, id="many-2-token-prefills"),
+    pytest.param([(4, 1)] * 5 + [(0, 40)], id="decodes-then-prefill"),
+]
+
+
+@pytest.mark.parametrize("seqs", SPLITS)
+@pytest.mark.parametrize("mode", ["eager", "step-graph"])
+def test_paged_prefill_finds_each_programs_sequence_for_any_split(tmp_path, seqs, mode):
+    """The paged prefill's grid is T // BLOCK_M + S programs a head; each finds its sequence by bisection over
+    query_start_loc (codegen/kernels/attention.py prefill_lines). Eager (prefills first, as the runner orders them)
+    and as a step graph runs it (tokens padded to an odd T_b, empty slots with query_start_loc = T, decode
+    programs from slot 0): the reference op's output for every real row."""
+    from portlayer.codegen.host_support import StepState
+
+    hq, hkv, d = 4, 2, 16
+    graph = _graph(torch.float32, hq, hkv, d)
+    if mode == "eager":
+        seqs = sorted(seqs, key=lambda s: s[1] == 1)
+    meta, kc, vc = paged_setup(seqs, hkv, d, torch.float32, num_blocks=64, seed=len(seqs))
+    T, S = int(meta.query_start_loc[-1]), len(seqs)  # noqa: N806
+    feeds = _feeds(T, hq, hkv, d, torch.float32)
+    _, prog = build_program(graph, tmp_path, max_seqs=16, launch={"attention_prefill": {
+        "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}})
+    (want,) = reference(graph, feeds, meta, [(kc.clone(), vc.clone())])
+    caches = [(kc.clone(), vc.clone())]
+    if mode == "eager":
+        (got,) = prog.run(feeds, meta, caches)
+    else:
+        Tb, Sb = -(-T // 16) * 16 + 7, 16  # noqa: N806 - an odd bucket stresses T // BLOCK_M
+        qsl = torch.full((Sb + 1,), T, dtype=torch.int32)
+        qsl[: S + 1] = meta.query_start_loc
+        lens = torch.zeros(Sb, dtype=torch.int32)
+        lens[:S] = meta.seq_lens
+        slots = torch.full((Tb,), -1, dtype=torch.int64)
+        slots[:T] = meta.slot_mapping
+        tables = torch.zeros(Sb, 8, dtype=torch.int32)
+        tables[:S, : meta.block_tables.shape[1]] = meta.block_tables
+        st = StepState(Tb, Sb, 1, Sb, Tb, qsl, lens, slots, tables, tables.stride(0), 16, True, None, caches,
+                       torch.device("cpu"), decode_offset=0)
+        padded = {k: torch.cat([v, torch.randn(Tb - T, *v.shape[1:])]) for k, v in feeds.items()}
+        got = prog.forward(Tb, Sb, padded, st, caches)[0][:T]
+    assert rel_err(got, want) <= tol(torch.float32), (seqs, rel_err(got, want))
