@@ -18,6 +18,11 @@ def max_splits(compute_units: int, num_kv_heads: int) -> int:
     return max(1, min(16, pow2(max(1, compute_units // max(1, num_kv_heads)))))
 
 
+def constexpr_args(d: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """``K=v, ...`` keyword arguments of a generated launch line (the BLOCK_SIZE a step passes left out by ``skip``)."""
+    return ", ".join(f"{k}={v!r}" for k, v in d.items() if k not in skip)
+
+
 def decode_block_n(cfg: dict[str, Any], block_d: int) -> int:
     """Tokens a decode-attention program reads a step: launch.attention_decode's TILE (elements of its K tile) over
     the head's padded width, a power of two in [16, 256] (16: tl.dot's smallest tile)."""
@@ -112,8 +117,7 @@ def decode_lines(ctx: GenContext, dec, red, kconst: dict[str, Any], kcfg: dict[s
     many sequences (launch.attention_decode's PROGRAMS per compute unit, at most NUM_SPLITS; a CUDA graph of a
     batch replays the splits it was captured with), the split-K kernel, and its reduce when it split."""
     target = int(kcfg["PROGRAMS"]) * max(1, ctx.compute_units)
-    consts = ", ".join(f"{k}={v!r}" for k, v in kconst.items() if k != "BLOCK_SIZE")
-    rconsts = ", ".join(f"{k}={v!r}" for k, v in red.constexprs.items())
+    consts, rconsts = constexpr_args(kconst, ("BLOCK_SIZE",)), constexpr_args(red.constexprs)
     return [
         f"        kv_splits = decode_splits(st.num_decodes, {kv_heads}, {target}, {kconst['NUM_SPLITS']})",
         f"        K.{dec.name}[(st.num_decodes, {kv_heads}, kv_splits)](",
@@ -133,7 +137,7 @@ def prefill_lines(pre, pconst: dict[str, Any], pcfg: dict[str, Any], q: str, k_c
     """The host lines of a step's paged prefill attention (indented under ``if st.num_prefills:``): a grid of the
     step's sizes alone (T // BLOCK_M + S programs a head; each finds its sequence on the device), so a CUDA graph
     captured at T tokens and S sequence slots replays for any mix of prefill and decode sequences that fits."""
-    consts = ", ".join(f"{k}={v!r}" for k, v in pconst.items() if k != "BLOCK_SIZE")
+    consts = constexpr_args(pconst, ("BLOCK_SIZE",))
     return [
         f"        K.{pre.name}[(T // {pconst['BLOCK_M']} + st.num_seqs, 1, {q_heads})](",
         f"            {q}, {k_cache}, {v_cache}, {out}, st.block_tables, st.seq_lens, st.query_start_loc, st.bt_stride, "
@@ -170,9 +174,6 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
     dense, dconst, _, _ = build_prefill(ctx, node, paged=False)
     dec, red, kconst, _, kcfg = build_decode(ctx, node)
 
-    def consts(d: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in d.items() if k not in skip)
-
     s = repr(c["scale"])
     lines = [
         f"# {c['HQ']} query heads over {c['HKV']} KV heads of {c['D']}, {'causal' if c['causal'] else 'bidirectional'}",
@@ -188,7 +189,7 @@ def build_attention(ctx: GenContext, group: KernelGroup) -> GroupCode:
         *decode_lines(ctx, dec, red, kconst, kcfg, q, "k_cache", "v_cache", out, c["HKV"], c["HQ"], s),
         "else:",
         f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {c['HQ']})](",
-        f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {consts(dconst)},",
+        f"        {q}, {k}, {v}, {out}, st.query_start_loc, {s}, {constexpr_args(dconst)},",
         f"        num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
     ]
     code = GroupCode(([] if written else [cache]) + [pre, dense, dec, red], lines, [out])

@@ -19,6 +19,7 @@ from portlayer.codegen.kernels.attention import (
     build_cache_write,
     build_decode,
     build_prefill,
+    constexpr_args,
     decode_lines,
     prefill_lines,
 )
@@ -55,9 +56,6 @@ def lower_mla(ctx: GenContext, group: KernelGroup) -> GroupCode:
     dense, dconst, _, _ = build_prefill(ctx, mqa, paged=False)
     dec, red, kconst, _, kcfg = build_decode(ctx, mqa)
 
-    def consts(d: dict, skip: tuple[str, ...] = ()) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in d.items() if k not in skip)
-
     s = repr(c["scale"])
     layer = int(a.get("layer", 0))
     lines = [
@@ -78,7 +76,7 @@ def lower_mla(ctx: GenContext, group: KernelGroup) -> GroupCode:
         *decode_lines(ctx, dec, red, kconst, kcfg, "mla_q", "k_cache", "k_cache", "mla_o", 1, h, s),
         "else:",
         f"    K.{dense.name}[(triton.cdiv(st.max_query_len, {dconst['BLOCK_M']}), st.num_seqs, {h})](",
-        f"        mla_q, mla_e, mla_e, mla_o, st.query_start_loc, {s}, {consts(dconst)},",
+        f"        mla_q, mla_e, mla_e, mla_o, st.query_start_loc, {s}, {constexpr_args(dconst)},",
         f"        num_warps={pcfg['num_warps']}, num_stages={pcfg['num_stages']})",
         f"{out}.copy_(torch.einsum('thr,hvr->thv', mla_o[..., :{r}], mla_w[:, {dn}:]))  # through W_UV",
     ]
