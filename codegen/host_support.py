@@ -328,12 +328,12 @@ class HostProgram(StepGraphs):
         return (self.use_graphs and kv_caches is not None and meta is not None and meta.block_tables is not None
                 and meta.slot_mapping is not None and meta.num_prefills == 0 and int(meta.seq_lens.shape[0]) == T
                 and T <= self.capture_sizes[-1]
-                and meta.block_tables.shape[1] <= -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1])))
+                and meta.block_tables.shape[1] <= self._table_width(kv_caches))
 
     def _static_state(self, kv_caches: Any) -> SimpleNamespace:
         if self._static is None:
             n, dev = self.capture_sizes[-1], self.device
-            width = -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
+            width = self._table_width(kv_caches)
             with torch.inference_mode(False):  # made inside a step (inference mode), reset at load (outside it)
                 self._static = SimpleNamespace(
                     feeds={k: torch.zeros(n, dtype=torch.int64, device=dev) for k in self.INPUTS},
@@ -345,6 +345,10 @@ class HostProgram(StepGraphs):
                     padded_from=0,  # rows >= this hold no sequence (slot -1, length 0), whatever the last step wrote
                 )
         return self._static
+
+    def _table_width(self, kv_caches: Any) -> int:
+        """Block-table columns of the static buffers: MAX_POSITIONS tokens in the caches' pages."""
+        return -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
 
     @staticmethod
     def _cache_pointers(kv_caches: Any) -> tuple[int, ...]:
@@ -412,14 +416,20 @@ class HostProgram(StepGraphs):
 
     def _capture(self, B: int, kv_caches: Any) -> tuple[Any, list[torch.Tensor]]:  # noqa: N803
         st, feeds = self.graph_step_state(B, kv_caches)
+        return self._graph_of(B, B, feeds, st, kv_caches)
+
+    def _graph_of(self, T: int, S: int, feeds: Mapping[str, torch.Tensor], st: StepState, kv_caches: Any,  # noqa: N803
+                  pool: Any = None) -> tuple[Any, list[torch.Tensor]]:
+        """A CUDA graph of ``forward`` over static inputs (in ``pool`` when given) and its outputs: one warm-up
+        forward on a side stream first, which compiles kernels and makes vendor GEMM handles outside the capture."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: compiles kernels outside the capture
-            self.forward(B, B, feeds, st, kv_caches)
+        with torch.cuda.stream(side):
+            self.forward(T, S, feeds, st, kv_caches)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = self.forward(B, B, feeds, st, kv_caches)
+        with torch.cuda.graph(graph, pool=pool):
+            outs = self.forward(T, S, feeds, st, kv_caches)
         return graph, outs
 
 

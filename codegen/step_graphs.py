@@ -55,7 +55,8 @@ def seq_slots(sequences: int, most: int) -> int:
 
 class StepGraphs:
     """Mixed into HostProgram: capture and replay of steps with prefill tokens (see the module docstring).
-    Uses the program's ``forward``, ``INPUTS``, ``MAX_POSITIONS``, ``max_seqs``, ``use_graphs`` and ``_graphs``."""
+    Uses the program's ``forward``, ``INPUTS``, ``max_seqs``, ``use_graphs``, ``_graphs``, ``_graph_of`` and
+    ``_table_width``."""
 
     STEP_GRAPHS = False  # codegen sets it: every group's host lines read only T, S and the step's device tensors
     step_sizes: list[int]
@@ -72,14 +73,14 @@ class StepGraphs:
             return False
         S = int(meta.seq_lens.shape[0])  # noqa: N806
         return (0 < S <= self.max_seqs and int(meta.slot_mapping.shape[0]) == T
-                and meta.block_tables.shape[1] <= -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
+                and meta.block_tables.shape[1] <= self._table_width(kv_caches)
                 and all(feeds[k].dim() == 1 and int(feeds[k].shape[0]) == self._token_rows(k, T, S)
                         for k in self.INPUTS))
 
     def _step_static(self, kv_caches: Any) -> SimpleNamespace:
         if self._step is None:
             T, S, dev = self.step_sizes[-1], self.max_seqs, self.device  # noqa: N806
-            width = -(-self.MAX_POSITIONS // int(kv_caches[0][0].shape[1]))
+            width = self._table_width(kv_caches)
             with torch.inference_mode(False):  # made inside a step (inference mode), reset at load (outside it)
                 self._step = self._new_step_static(T, S, width, dev)
         return self._step
@@ -165,15 +166,7 @@ class StepGraphs:
         s = self._step
         if s.pool is None:
             s.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: vendor GEMM handles and workspaces outside the capture
-            self.forward(Tb, Sb, feeds, st, kv_caches)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=s.pool):
-            outs = self.forward(Tb, Sb, feeds, st, kv_caches)
-        return graph, outs
+        return self._graph_of(Tb, Sb, feeds, st, kv_caches, s.pool)
 
     def step_graph_keys(self) -> list[tuple[int, int]]:
         """Every (T_b, S_b) a step graph may be captured at: the token buckets, each with the slot counts a step
