@@ -384,7 +384,10 @@ def export_token_stream(model: torch.nn.Module, max_tokens: int) -> torch.export
 
     accepts = set(inspect.signature(model.forward).parameters)
     record_layer_masks(model, accepts)
-    wrapper = _TokenStream(model, accepts, position_offset(model, accepts)).eval()
+    offset = position_offset(model, accepts)
+    # a token left out of the position numbering: graph.meta position_skip_token (_annotate)
+    model._portlayer_position_skip = position_skip_token(model, accepts, offset)  # type: ignore[assignment]
+    wrapper = _TokenStream(model, accepts, offset).eval()
     n = min(7, max_tokens)
     ids = torch.randint(0, 8, (n,), dtype=torch.long)
     pos = torch.arange(n, dtype=torch.long)
@@ -533,10 +536,7 @@ def _annotate(graph: Graph, module: torch.nn.Module, facts: dict[str, Any], sour
     graph.meta.update(facts)
     graph.meta.update(_kv_facts(graph))
     graph.meta["task"] = task_of_model(module)
-    import inspect
-
-    accepts = set(inspect.signature(module.forward).parameters)
-    skip = position_skip_token(module, accepts, position_offset(module, accepts))
+    skip = getattr(module, "_portlayer_position_skip", None)  # found with the position offset (export_token_stream)
     if skip is not None:  # the runtime numbers a sequence's positions without this token (runtime/model_runner.py)
         graph.meta["position_skip_token"] = skip
     graph.meta["token_symbol"] = TOKEN_SYMBOL
